@@ -1,0 +1,44 @@
+"""Torch-free rematerialization planning: problem types, the memory model, the solvers.
+
+This package imports numpy, networkx and ortools at most, never torch or remat
+(tests/test_torch_free.py enforces it).
+"""
+
+from solvers.base import Options
+from solvers.problem import (
+    Decision,
+    Evaluation,
+    Node,
+    Phase,
+    Plan,
+    Problem,
+    Status,
+    Step,
+    StepKind,
+    decisions_all,
+)
+from solvers.registry import SOLVERS, SolverSpec, make_options, register, solve
+from solvers.simulate import PlanError, evaluate, simulate
+from solvers import _builtin  # noqa: F401  (registers the built-in solvers)
+
+__all__ = [
+    "Decision",
+    "Evaluation",
+    "Node",
+    "Options",
+    "Phase",
+    "Plan",
+    "PlanError",
+    "Problem",
+    "SOLVERS",
+    "SolverSpec",
+    "Status",
+    "Step",
+    "StepKind",
+    "decisions_all",
+    "evaluate",
+    "make_options",
+    "register",
+    "simulate",
+    "solve",
+]

@@ -1,0 +1,61 @@
+"""The one front door: `solve(problem, solver, **options)` and the `SOLVERS` registry."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from solvers.base import Options
+from solvers.problem import Plan, Problem
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverSpec:
+    """A registered solver."""
+
+    name: str
+    run: Callable[[Problem, Options], Plan]
+    options_type: type[Options]
+    exact: bool
+    """True if an OPTIMAL status is a proof over the solver's whole plan space."""
+    summary: str
+
+
+_REGISTRY: dict[str, SolverSpec] = {}
+SOLVERS: Mapping[str, SolverSpec] = MappingProxyType(_REGISTRY)
+
+
+def register(spec: SolverSpec) -> None:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"solver {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+
+
+def make_options(solver: str, **options: object) -> Options:
+    """Build the solver's options, rejecting unknown fields by name."""
+    spec = get(solver)
+    fields = {f.name for f in dataclasses.fields(spec.options_type)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(
+            f"solver {solver!r} has no option(s) {unknown}; valid options: {sorted(fields)}"
+        )
+    return spec.options_type(**options)
+
+
+def get(solver: str) -> SolverSpec:
+    if solver not in _REGISTRY:
+        raise ValueError(f"unknown solver {solver!r}; valid solvers: {sorted(_REGISTRY)}")
+    return _REGISTRY[solver]
+
+
+def solve(problem: Problem, solver: str = "auto", **options: object) -> Plan:
+    """Plan `problem` under its `budget_bytes` with the named solver.
+
+    Never raises for an impossible budget: the plan's status is INFEASIBLE and its
+    `peak_bytes` the smallest peak the solver reached."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"problem must be a solvers.Problem, got {type(problem).__name__}")
+    spec = get(solver)
+    return spec.run(problem, make_options(solver, **options))

@@ -1,0 +1,257 @@
+"""The one memory/compute model: run a plan's schedule and account every live byte.
+
+Canonical schedule (used when a plan has no explicit one):
+  1. PARAM/INPUT values are live for the whole step.
+  2. Forward nodes run in order.
+  3. Backward nodes run in order. Before each, every forward value it reads that is not
+     on the device is brought back just in time: OFFLOAD values are reloaded, RECOMPUTE
+     values are recomputed after (recursively) their own missing forward inputs, in
+     input order. A value brought back in backward stays until its last use, so the
+     canonical schedule recomputes each value at most once.
+  4. Every value is freed right after its last use (a step that reads it), except the
+     problem's outputs, which live to the end. A value nobody reads is freed right after
+     the step that makes it. An alias keeps its base's storage alive; bytes are counted
+     once per storage.
+  5. SAVE values keep their forward instance for backward; RECOMPUTE and OFFLOAD values
+     lose it after their last forward use (OFFLOAD moves it to host memory, which costs
+     `out_bytes / bandwidth` each way; no overlap with compute is assumed).
+
+An explicit schedule (Plan.schedule) replaces step 3: backward ids once each in any
+order their inputs allow, forward ids wherever they are recomputed (RECOMPUTE) or
+reloaded (OFFLOAD), as often as wanted; a read binds to the newest instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
+
+
+class PlanError(ValueError):
+    """The plan is malformed or its schedule cannot run; the message names the step."""
+
+
+def simulate(problem: Problem, plan: Plan | Mapping[int, Decision]) -> Evaluation:
+    """Peak bytes, extra seconds and the timeline of `plan` on `problem`."""
+    if isinstance(plan, Plan):
+        return evaluate(problem, plan.decisions, plan.schedule)
+    return evaluate(problem, plan)
+
+
+def evaluate(
+    problem: Problem,
+    decisions: Mapping[int, Decision],
+    schedule: Sequence[int] | None = None,
+) -> Evaluation:
+    """`simulate` on raw decisions (what solvers call in their inner loops)."""
+    _check_decisions(problem, decisions)
+    steps = [Step(i, StepKind.FORWARD) for i in problem.forward_ids]
+    if schedule is None:
+        steps += _canonical_backward(problem, decisions)
+    else:
+        steps += _explicit_backward(problem, decisions, schedule)
+    return _account(problem, decisions, steps)
+
+
+def _check_decisions(problem: Problem, decisions: Mapping[int, Decision]) -> None:
+    expected = problem.decision_ids
+    if len(decisions) != len(expected) or any(i not in decisions for i in expected):
+        missing = sorted(set(expected) - set(decisions))[:5]
+        extra = sorted(set(decisions) - set(expected))[:5]
+        raise PlanError(
+            "a plan must decide exactly problem.decision_ids; "
+            f"missing {missing}{'...' if len(missing) == 5 else ''}, "
+            f"not decision values {extra}{'...' if len(extra) == 5 else ''}"
+        )
+    for i, d in decisions.items():
+        if d not in problem.allowed(i):
+            why = (
+                "offload is disabled (offload_bandwidth_bytes_per_s is None)"
+                if problem.offload_bandwidth_bytes_per_s is None
+                else "the node is not offloadable"
+            )
+            raise PlanError(f"node {i} ({problem.nodes[i].name!r}): {d.value} not allowed: {why}")
+
+
+def _canonical_backward(problem: Problem, decisions: Mapping[int, Decision]) -> list[Step]:
+    nodes = problem.nodes
+    on_device = {i for i, d in decisions.items() if d is Decision.SAVE}
+    steps: list[Step] = []
+    for b in problem.backward_ids:
+        for j in nodes[b].inputs:
+            if nodes[j].phase is Phase.FORWARD and j not in on_device:
+                _bring_back(problem, decisions, j, on_device, steps, reader=b)
+        steps.append(Step(b, StepKind.BACKWARD))
+    return steps
+
+
+def _bring_back(
+    problem: Problem,
+    decisions: Mapping[int, Decision],
+    root: int,
+    on_device: set[int],
+    steps: list[Step],
+    reader: int,
+) -> None:
+    """Append the reload/recompute steps that make `root` live (iterative post-order)."""
+    nodes = problem.nodes
+    stack: list[tuple[int, bool]] = [(root, False)]
+    while stack:
+        i, expanded = stack.pop()
+        if i in on_device:
+            continue
+        d = decisions.get(i)
+        if d is None:  # a forward value no backward value depends on: cannot happen
+            raise PlanError(f"node {i} ({nodes[i].name!r}) is needed in backward but has no decision")
+        if d is Decision.OFFLOAD:
+            steps.append(Step(i, StepKind.RELOAD))
+            on_device.add(i)
+            continue
+        if not nodes[i].recomputable:
+            raise PlanError(
+                f"node {i} ({nodes[i].name!r}) is not recomputable but the plan drops it and "
+                f"backward node {reader} ({nodes[reader].name!r}) needs it: SAVE or OFFLOAD it"
+            )
+        if expanded:
+            steps.append(Step(i, StepKind.RECOMPUTE))
+            on_device.add(i)
+            continue
+        stack.append((i, True))
+        for j in reversed(nodes[i].inputs):
+            if nodes[j].phase is Phase.FORWARD and j not in on_device:
+                stack.append((j, False))
+
+
+def _explicit_backward(
+    problem: Problem, decisions: Mapping[int, Decision], schedule: Sequence[int]
+) -> list[Step]:
+    nodes = problem.nodes
+    n = len(nodes)
+    available = {i for i, d in decisions.items() if d is Decision.SAVE}
+    done_backward: set[int] = set()
+    steps: list[Step] = []
+    for pos, i in enumerate(schedule):
+        where = f"schedule[{pos}] = {i}"
+        if not isinstance(i, int) or not 0 <= i < n:
+            raise PlanError(f"{where}: not a node id (0..{n - 1})")
+        node = nodes[i]
+        if node.phase in (Phase.PARAM, Phase.INPUT):
+            raise PlanError(f"{where} ({node.name!r}): {node.phase.value} values are never scheduled")
+        if node.phase is Phase.BACKWARD and i in done_backward:
+            raise PlanError(f"{where} ({node.name!r}): backward node scheduled twice")
+        kind = StepKind.BACKWARD
+        if node.phase is Phase.FORWARD:
+            d = decisions.get(i)
+            if d is None or d is Decision.SAVE:
+                raise PlanError(f"{where} ({node.name!r}): only RECOMPUTE or OFFLOAD values can be scheduled")
+            kind = StepKind.RELOAD if d is Decision.OFFLOAD else StepKind.RECOMPUTE
+            if kind is StepKind.RECOMPUTE and not node.recomputable:
+                raise PlanError(f"{where} ({node.name!r}): node is not recomputable")
+        if kind is not StepKind.RELOAD:
+            for j in node.inputs:
+                if nodes[j].phase is Phase.FORWARD and j not in available:
+                    raise PlanError(
+                        f"{where} ({node.name!r}) reads node {j} ({nodes[j].name!r}), "
+                        "which is not on the device at that point"
+                    )
+                if nodes[j].phase is Phase.BACKWARD and j not in done_backward:
+                    raise PlanError(
+                        f"{where} ({node.name!r}) reads backward node {j} ({nodes[j].name!r}) before it runs"
+                    )
+        if node.phase is Phase.BACKWARD:
+            done_backward.add(i)
+        else:
+            available.add(i)
+        steps.append(Step(i, kind))
+    missing = [i for i in problem.backward_ids if i not in done_backward]
+    if missing:
+        raise PlanError(f"schedule never runs backward nodes {missing[:5]}")
+    return steps
+
+
+def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[Step]) -> Evaluation:
+    """Bind reads to instances, find last uses, sweep the live bytes."""
+    nodes = problem.nodes
+    n_steps = len(steps)
+    forever = n_steps  # past the last step: never freed
+    newest: dict[int, int] = {}  # node id -> instance id of its newest materialization
+    inst_storage: list[int] = []  # instance -> storage instance
+    inst_end: list[int] = []  # instance -> last step that reads it
+    storage_bytes: dict[int, int] = {}  # storage instance -> bytes
+    storage_start: dict[int, int] = {}
+
+    # PARAM/INPUT instances exist before step 0 and live forever.
+    initial_bytes = 0
+    for i, node in enumerate(nodes):
+        if node.phase in (Phase.PARAM, Phase.INPUT):
+            newest[i] = len(inst_storage)
+            inst_storage.append(len(inst_storage))
+            inst_end.append(forever)
+            initial_bytes += node.out_bytes
+
+    offload_bytes = 0
+    transfer_bytes = 0
+    recompute_s = 0.0
+    recomputed: set[int] = set()
+    for k, step in enumerate(steps):
+        i = step.node_id
+        node = nodes[i]
+        if step.kind is StepKind.RELOAD:
+            transfer_bytes += node.out_bytes
+        else:
+            for j in node.inputs:
+                inst = newest[j]
+                if inst_end[inst] < k:
+                    inst_end[inst] = k
+        inst = len(inst_storage)
+        if step.kind is StepKind.RECOMPUTE:
+            recompute_s += node.compute_s
+            recomputed.add(i)
+        if node.alias_of is not None and step.kind is not StepKind.RELOAD:
+            inst_storage.append(inst_storage[newest[node.alias_of]])
+        else:
+            inst_storage.append(inst)
+            storage_bytes[inst] = node.out_bytes
+            storage_start[inst] = k
+        inst_end.append(k)
+        newest[i] = inst
+        if step.kind is StepKind.FORWARD and decisions.get(i) is Decision.OFFLOAD:
+            offload_bytes += node.out_bytes
+    transfer_bytes += offload_bytes
+    for i in problem.outputs:
+        inst_end[newest[i]] = forever
+
+    storage_end: dict[int, int] = {}
+    for inst, s in enumerate(inst_storage):
+        if s in storage_start and inst_end[inst] > storage_end.get(s, -1):
+            storage_end[s] = inst_end[inst]
+    alloc_at = [0] * n_steps
+    free_after = [0] * (n_steps + 1)
+    for s, start in storage_start.items():
+        alloc_at[start] += storage_bytes[s]
+        free_after[storage_end[s]] += storage_bytes[s]
+
+    live = initial_bytes
+    peak, peak_step = initial_bytes, -1
+    timeline = []
+    for k in range(n_steps):
+        live += alloc_at[k]
+        timeline.append(live)
+        if live > peak:
+            peak, peak_step = live, k
+        live -= free_after[k]
+
+    bw = problem.offload_bandwidth_bytes_per_s
+    offload_s = transfer_bytes / bw if bw else 0.0
+    return Evaluation(
+        peak_bytes=peak,
+        peak_step=peak_step,
+        recompute_s=recompute_s,
+        offload_bytes=offload_bytes,
+        offload_s=offload_s,
+        steps=tuple(steps),
+        timeline=tuple(timeline),
+        fits=peak <= problem.budget_bytes,
+        recomputed_ids=tuple(sorted(recomputed)),
+    )
