@@ -8,3 +8,7 @@ register(SolverSpec(name="none", run=solve_none, options_type=Options, exact=Fal
                     summary="save every activation (no rematerialization)"))
 register(SolverSpec(name="all", run=solve_all, options_type=Options, exact=False,
                     summary="recompute every recomputable activation"))
+
+# --- heuristics and oracle (chen-sqrt, chen-greedy, brute) ---
+
+# --- exact solvers and auto (dp, ilp, auto) ---
