@@ -17,7 +17,7 @@ from solvers.problem import (
     StepKind,
     decisions_all,
 )
-from solvers.registry import SOLVERS, SolverSpec, make_options, register, solve
+from solvers.registry import SOLVERS, SolverSpec, UnsupportedProblem, make_options, register, solve
 from solvers.simulate import PlanError, evaluate, simulate
 from solvers import _builtin  # noqa: F401  (registers the built-in solvers)
 
@@ -34,6 +34,7 @@ __all__ = [
     "SolverSpec",
     "Status",
     "Step",
+    "UnsupportedProblem",
     "StepKind",
     "decisions_all",
     "evaluate",

@@ -22,6 +22,12 @@ class SolverSpec:
     summary: str
 
 
+class UnsupportedProblem(ValueError):
+    """A solver was asked to plan a problem whose structure it cannot handle
+    (e.g. `dp` on a graph that is not a chain or a sequence of blocks). The message says
+    why and which solver to use instead. Never raised for an impossible budget."""
+
+
 _REGISTRY: dict[str, SolverSpec] = {}
 SOLVERS: Mapping[str, SolverSpec] = MappingProxyType(_REGISTRY)
 
