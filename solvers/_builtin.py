@@ -10,5 +10,14 @@ register(SolverSpec(name="all", run=solve_all, options_type=Options, exact=False
                     summary="recompute every recomputable activation"))
 
 # --- heuristics and oracle (chen-sqrt, chen-greedy, brute) ---
+from solvers.brute import solve_brute  # noqa: E402
+from solvers.chen import solve_chen_greedy, solve_chen_sqrt  # noqa: E402
+
+register(SolverSpec(name="chen-sqrt", run=solve_chen_sqrt, options_type=Options, exact=False,
+                    summary="Chen 2016: save ~sqrt(N) evenly spaced cut points"))
+register(SolverSpec(name="chen-greedy", run=solve_chen_greedy, options_type=Options, exact=False,
+                    summary="Chen 2016 Algorithm 3 with a search over the memory threshold"))
+register(SolverSpec(name="brute", run=solve_brute, options_type=Options, exact=True,
+                    summary="exhaustive oracle for small problems (<= 18 decision values)"))
 
 # --- exact solvers and auto (dp, ilp, auto) ---
