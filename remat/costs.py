@@ -1,0 +1,305 @@
+"""Per-node cost model: FLOPs and bytes moved of one ATen op, and a roofline time.
+
+FLOPs follow `torch.utils.flop_counter` (only matmul-like ops count; elementwise ops
+are 0 FLOPs and costed by the bytes they move), plus formulas for what it misses in
+torch 2.13: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
+kernels CPU SDPA dispatches to). `flop_counter_mode()` gives a `FlopCounterMode` that
+knows those formulas too, so measured and modelled FLOPs agree.
+
+Time: ``max(flops / peak_flops_per_s, bytes_moved / bandwidth_bytes_per_s)`` with the
+device's figures from a sub-second microbenchmark, cached as JSON under
+``$REMAT_CACHE_DIR`` (default ``~/.cache/remat``), keyed by device name, thread count,
+dtype and torch version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_flatten, tree_map
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "REMAT_CACHE_DIR"
+CACHE_FILE = "device_speed.json"
+
+
+# --- FLOPs -----------------------------------------------------------------------------
+
+
+def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu`` (same convention as
+    torch's CUDA flash formula: causal masking is not discounted)."""
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu_backward``."""
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _extra_formulas() -> dict[Any, Any]:
+    """Formulas keyed by OpOverloadPacket for ops torch's registry lacks."""
+    aten = torch.ops.aten
+    extra: dict[Any, Any] = {}
+    pairs = (
+        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flop),
+    )
+    for name, formula in pairs:
+        packet = getattr(aten, name, None)
+        if packet is not None and packet not in flop_counter.flop_registry:
+            extra[packet] = formula
+    return extra
+
+
+EXTRA_FLOP_FORMULAS: dict[Any, Any] = _extra_formulas()
+"""Raw (shape-taking) formulas, usable as ``FlopCounterMode(custom_mapping=...)``."""
+
+_REGISTRY: dict[Any, Any] = {
+    **flop_counter.flop_registry,
+    **{k: flop_counter.shape_wrapper(v) for k, v in EXTRA_FLOP_FORMULAS.items()},
+}
+
+
+def flop_counter_mode(**kwargs: Any) -> flop_counter.FlopCounterMode:
+    """A quiet `FlopCounterMode` that also counts CPU flash attention."""
+    kwargs.setdefault("display", False)
+    return flop_counter.FlopCounterMode(custom_mapping=dict(EXTRA_FLOP_FORMULAS), **kwargs)
+
+
+def _as_int(value: Any) -> int:
+    """An int from an int or a SymInt (its hint, so symbolic shapes cost their example)."""
+    if isinstance(value, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return int(hint_int(value))
+    return int(value)
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _is_composite(target: torch._ops.OpOverload) -> bool:
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return target.has_kernel_for_dispatch_key(key)
+
+
+def _decomposed_flops(target: torch._ops.OpOverload, args: Any, kwargs: Any) -> int:
+    """FLOPs of a composite op (``aten.linear``, ``aten.matmul``...) by running its
+    decomposition on the fake values under a FlopCounterMode."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(tree_flatten((args, kwargs))[0])
+    counter = flop_counter_mode()
+    if fake_mode is None:
+        with counter:
+            target.decompose(*args, **kwargs)
+    else:
+        with fake_mode, counter:
+            target.decompose(*args, **kwargs)
+    return _as_int(counter.get_total_flops())
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one ``call_function`` node of an ATen graph (0 for anything else).
+
+    Reads only ``meta["val"]`` of the node and its inputs; runs nothing except for
+    composite ops missing from the registry, whose decomposition runs on fake tensors.
+    """
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    args, kwargs = tree_map(_val, (node.args, node.kwargs))
+    formula = _REGISTRY.get(target.overloadpacket)
+    if formula is not None:
+        return _as_int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    if _is_composite(target):
+        return _decomposed_flops(target, args, kwargs)
+    return 0
+
+
+# --- Bytes -----------------------------------------------------------------------------
+
+
+def _tensor_bytes(value: Any) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return _as_int(value.numel()) * value.element_size()
+
+
+def _is_view(target: torch._ops.OpOverload) -> bool:
+    """True when every output aliases an input without writing it (no data moves)."""
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def node_bytes_moved(node: torch.fx.Node) -> int:
+    """Bytes read (tensor inputs) plus bytes written (tensor outputs) by one node;
+    0 for views and for non-op nodes (placeholders, getitem, output)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    if _is_view(target):
+        return 0
+    read = sum(_tensor_bytes(v) for v in tree_flatten(tree_map(_val, (node.args, node.kwargs)))[0])
+    written = sum(_tensor_bytes(v) for v in tree_flatten(node.meta.get("val"))[0])
+    return read + written
+
+
+# --- Device speed ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceSpeed:
+    """Roofline figures of one device."""
+
+    peak_flops_per_s: float
+    """Sustained matmul throughput (FLOP/s) for the measured dtype."""
+    bandwidth_bytes_per_s: float
+    """Sustained memory bandwidth, bytes read plus written per second (a large copy)."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops_per_s", "bandwidth_bytes_per_s"):
+            value = getattr(self, name)
+            if not value > 0.0 or value == float("inf"):
+                raise ValueError(f"DeviceSpeed.{name} must be a positive finite number, got {value!r}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_s(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm up
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_device_speed(
+    device: str | torch.device = "cpu",
+    *,
+    dtype: torch.dtype = torch.float32,
+    matmul_n: int = 1024,
+    copy_bytes: int = 64 * 2**20,
+    repeats: int = 3,
+) -> DeviceSpeed:
+    """Microbenchmark: an ``n x n`` matmul for FLOP/s, a large copy for bandwidth (best
+    of `repeats`). About 0.3 s on a 2-core CPU with the defaults."""
+    device = torch.device(device)
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
+    matmul_s = _best_s(lambda: torch.mm(a, b, out=out), device, repeats)
+    src = torch.empty(copy_bytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = _best_s(lambda: dst.copy_(src), device, repeats)
+    return DeviceSpeed(
+        peak_flops_per_s=2.0 * matmul_n**3 / matmul_s,
+        bandwidth_bytes_per_s=2.0 * src.numel() * src.element_size() / copy_s,
+    )
+
+
+def cache_dir() -> Path:
+    """Where cached figures live: ``$REMAT_CACHE_DIR`` or ``~/.cache/remat``."""
+    override = os.environ.get(CACHE_ENV)
+    return Path(override) if override else Path.home() / ".cache" / "remat"
+
+
+def device_key(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """Cache key: device name, threads (CPU), dtype, torch version."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{device.type}:{platform.machine()}:{_cpu_model()}:threads={torch.get_num_threads()}"
+    return f"{name}|{dtype}|torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def device_speed(
+    device: str | torch.device = "cpu",
+    *,
+    dtype: torch.dtype = torch.float32,
+    refresh: bool = False,
+) -> DeviceSpeed:
+    """The device's figures, measured once and cached (``refresh=True`` re-measures)."""
+    path = cache_dir() / CACHE_FILE
+    key = device_key(device, dtype)
+    table = _read_cache(path)
+    if not refresh and key in table:
+        try:
+            return DeviceSpeed(**table[key])
+        except (TypeError, ValueError) as err:
+            log.warning("ignoring bad cache entry %r in %s: %s", key, path, err)
+    speed = measure_device_speed(device, dtype=dtype)
+    table[key] = dataclasses.asdict(speed)
+    _write_cache(path, table)
+    log.info("measured %s: %.3g FLOP/s, %.3g B/s (cached in %s)", key,
+             speed.peak_flops_per_s, speed.bandwidth_bytes_per_s, path)
+    return speed
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as err:
+        log.warning("ignoring unreadable cache %s: %s", path, err)
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _write_cache(path: Path, table: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)  # atomic: concurrent writers never leave a torn file
+    except OSError as err:
+        log.warning("could not write cache %s (%s); set %s to a writable folder", path, err, CACHE_ENV)
+
+
+# --- Time ------------------------------------------------------------------------------
+
+
+def estimate_s(flops: float, bytes_moved: float, speed: DeviceSpeed) -> float:
+    """Roofline time: the op is bound by compute or by memory traffic, whichever is slower."""
+    return max(flops / speed.peak_flops_per_s, bytes_moved / speed.bandwidth_bytes_per_s)
+
+
+def node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
+    """Estimated seconds to run one node once."""
+    return estimate_s(node_flops(node), node_bytes_moved(node), speed)
