@@ -1,0 +1,26 @@
+"""remat: graph-level activation rematerialization for PyTorch training.
+
+    planned = remat.plan(model, args, budget="60%")
+    planned(*args).loss.backward()
+"""
+
+from remat.api import Planned, plan
+from remat.budget import resolve_budget
+from remat.errors import (
+    BudgetError,
+    InfeasibleBudgetError,
+    RematError,
+    TraceError,
+    UnsupportedGraphError,
+)
+
+__all__ = [
+    "BudgetError",
+    "InfeasibleBudgetError",
+    "Planned",
+    "RematError",
+    "TraceError",
+    "UnsupportedGraphError",
+    "plan",
+    "resolve_budget",
+]

@@ -1,0 +1,28 @@
+"""The one error hierarchy: every failure a user can act on is a RematError."""
+
+from __future__ import annotations
+
+
+class RematError(Exception):
+    """Base of every error remat raises on purpose."""
+
+
+class BudgetError(RematError, ValueError):
+    """A budget that cannot be parsed or resolved to bytes."""
+
+
+class InfeasibleBudgetError(RematError):
+    """No plan fits the budget; `min_peak_bytes` is the smallest reachable peak."""
+
+    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_peak_bytes = min_peak_bytes
+
+
+class TraceError(RematError):
+    """The model could not be traced into a joint forward+backward graph."""
+
+
+class UnsupportedGraphError(RematError):
+    """The traced graph holds something remat cannot plan (named in the message)."""

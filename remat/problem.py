@@ -1,0 +1,258 @@
+"""Joint fx graph + costs -> `solvers.Problem`, with the map back to fx nodes.
+
+Each tensor value of the joint graph becomes one problem node, except:
+- a multi-output op (`native_layer_norm`, `native_dropout`, ...) and its `getitem`s:
+  the first used element carries the op (its inputs, its cost, the bytes of outputs
+  nobody reads); every other element reads the first element and the op's inputs (so
+  they stay live until all outputs exist, as they do at runtime) and is not
+  recomputable on its own (recomputing it would rerun the whole op at a cost and
+  memory the model would not see). View multi-outputs (`split`, `unbind`) make one
+  alias node per element.
+- placeholders: parameters/buffers -> PARAM, user inputs -> INPUT, tangents ->
+  BACKWARD nodes without inputs.
+Phases come from AOTAutograd's `classify_nodes`: FORWARD is what the forward outputs
+need; everything else runs in backward, placed just before its first backward user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import classify_nodes
+
+from solvers import Node, Phase, Problem
+
+_NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphProblem:
+    """A Problem plus the map between problem ids and fx nodes of the joint graph."""
+
+    problem: Problem
+    fx_names: tuple[tuple[str, ...], ...]
+    """Per problem id: the fx nodes it stands for, in run order (op, then its getitem)."""
+    value_name: tuple[str, ...]
+    """Per problem id: the fx node whose value it is (the last of fx_names)."""
+    source: tuple[str, ...]
+    """Per problem id: 'file:line' of the user code that made it, or ''."""
+    never_replay: Mapping[int, str]
+    """Problem ids that must not be recomputed, with the reason."""
+
+
+def _tensor_val(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def source_line(node: fx.Node) -> str:
+    """The innermost user frame of the node's stack trace, as 'file:line'."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    for ln in reversed(lines):
+        if "/torch/" not in ln:
+            parts = ln.split(",")
+            file = parts[0].removeprefix("File ").strip('"')
+            line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+            return f"{file}:{line}"
+    return ""
+
+
+def never_replay_reason(node: fx.Node) -> str | None:
+    """Why this op must never be recomputed, or None if it may be."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    tags = set(target.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if target._schema.is_mutable:
+        return "mutating"
+    if target.namespace in _NEVER_REPLAY_NAMESPACES:
+        return "collective or offload"
+    if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        return "data-dependent"
+    if node.is_impure():
+        return "side effect"
+    return None
+
+
+@dataclasses.dataclass
+class _Item:
+    """A problem node under construction."""
+
+    fx_names: tuple[str, ...]
+    phase: Phase
+    inputs: tuple[str, ...]  # value names of fx producers
+    out_bytes: int
+    compute_s: float
+    alias_of: str | None
+    never_replay: str | None
+    source: str
+
+
+def build_problem(
+    joint: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    num_params: int,
+    budget_bytes: int,
+    cost_s: Callable[[fx.Node], float],
+) -> GraphProblem:
+    """The planning problem of `joint` (the first `num_params` primals are parameters
+    and buffers; the rest are user inputs)."""
+    info = classify_nodes(joint, [], num_fwd_outputs)
+    items: dict[str, _Item] = {}  # value name -> item
+    seen_storage: set[int] = set()
+    primal_index = 0
+    for node in joint.graph.nodes:
+        if node.op == "placeholder":
+            val = _tensor_val(node)
+            if val is None:
+                continue
+            if node.name.startswith("tangents"):
+                phase = Phase.BACKWARD
+            else:
+                phase = Phase.PARAM if primal_index < num_params else Phase.INPUT
+                primal_index += 1
+            key = _storage_key(val)
+            nbytes = 0 if key in seen_storage else _storage_bytes(val)
+            seen_storage.add(key)
+            items[node.name] = _Item((node.name,), phase, (), nbytes, 0.0, None, None, "")
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            phase = Phase.FORWARD if info.is_required_fw(node) else Phase.BACKWARD
+            for item in _items_of_op(node, phase, items, cost_s):
+                items[item.fx_names[-1]] = item
+    return _assemble(joint, items, num_fwd_outputs, budget_bytes)
+
+
+def _tensor_inputs(node: fx.Node, items: Mapping[str, _Item]) -> tuple[str, ...]:
+    names = []
+    for arg in node.all_input_nodes:
+        if arg.name in items and arg.name not in names:
+            names.append(arg.name)
+    return tuple(names)
+
+
+def _alias_source(val: torch.Tensor, node: fx.Node, inputs: tuple[str, ...]) -> str | None:
+    key = _storage_key(val)
+    for arg in node.all_input_nodes:
+        arg_val = _tensor_val(arg)
+        if arg.name in inputs and arg_val is not None and _storage_key(arg_val) == key:
+            return arg.name
+    return None
+
+
+def _items_of_op(
+    node: fx.Node, phase: Phase, items: Mapping[str, _Item], cost_s: Callable[[fx.Node], float]
+) -> list[_Item]:
+    inputs = _tensor_inputs(node, items)
+    reason = never_replay_reason(node)
+    src = source_line(node)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        alias = _alias_source(val, node, inputs)
+        nbytes = _storage_bytes(val)
+        cost = 0.0 if alias is not None else cost_s(node)
+        return [_Item((node.name,), phase, inputs, nbytes, cost, alias, reason, src)]
+    if not isinstance(val, (tuple, list)):
+        return []  # symbolic or None result: nothing to plan
+    getitems = sorted(
+        (u for u in node.users if u.target is operator.getitem and _tensor_val(u) is not None),
+        key=lambda u: u.args[1],
+    )
+    used = {u.args[1] for u in getitems}
+    dead_bytes = sum(
+        _storage_bytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
+    )
+    out: list[_Item] = []
+    first: _Item | None = None
+    for g in getitems:
+        gval = _tensor_val(g)
+        alias = _alias_source(gval, node, inputs)
+        if alias is not None:  # a view of an input (split, unbind, chunk)
+            out.append(_Item((g.name,), phase, inputs, _storage_bytes(gval), 0.0, alias, reason, src))
+        elif first is None:
+            first = _Item((node.name, g.name), phase, inputs, _storage_bytes(gval) + dead_bytes,
+                          cost_s(node), None, reason, src)
+            out.append(first)
+        else:
+            out.append(_Item((g.name,), phase, (first.fx_names[-1], *inputs), _storage_bytes(gval),
+                             0.0, None, reason or "secondary output of a multi-output op", src))
+    if first is None and dead_bytes:
+        out.insert(0, _Item((node.name,), phase, inputs, dead_bytes, cost_s(node), None, reason, src))
+    elif first is None and not out:
+        out.append(_Item((node.name,), phase, inputs, 0, cost_s(node), None, reason, src))
+    elif first is None:  # only views: the op itself still has to run first
+        out[0] = dataclasses.replace(out[0], fx_names=(node.name, *out[0].fx_names))
+    return out
+
+
+def _assemble(
+    joint: fx.GraphModule, items: Mapping[str, _Item], num_fwd_outputs: int, budget_bytes: int
+) -> GraphProblem:
+    """Order items PARAM/INPUT, FORWARD, BACKWARD (just in time) and number them."""
+    sources = [n for n, it in items.items() if it.phase in (Phase.PARAM, Phase.INPUT)]
+    forward = [n for n, it in items.items() if it.phase is Phase.FORWARD]
+    order = sources + forward
+    placed = set(order)
+    for name, it in items.items():  # backward: emit each after its backward inputs (DFS)
+        if it.phase is not Phase.BACKWARD or name in placed or not _drives_backward(it, name, items):
+            continue
+        stack = [(name, False)]
+        while stack:
+            cur, expanded = stack.pop()
+            if cur in placed:
+                continue
+            if expanded:
+                placed.add(cur)
+                order.append(cur)
+                continue
+            stack.append((cur, True))
+            for j in reversed(items[cur].inputs):
+                if j not in placed:
+                    stack.append((j, False))
+    order += [n for n in items if n not in placed]  # unused leftovers, at the end
+    ids = {name: i for i, name in enumerate(order)}
+    nodes = []
+    for name in order:
+        it = items[name]
+        nodes.append(Node(
+            name=name, inputs=tuple(ids[j] for j in it.inputs), out_bytes=it.out_bytes,
+            phase=it.phase, compute_s=it.compute_s,
+            alias_of=None if it.alias_of is None else ids[it.alias_of],
+            recomputable=it.never_replay is None, offloadable=True,
+        ))
+    out_node = joint.graph.output_node()
+    outputs = tuple(dict.fromkeys(
+        ids[a.name] for a in torch.utils._pytree.tree_leaves(out_node.args)
+        if isinstance(a, fx.Node) and a.name in ids
+    ))
+    problem = Problem(nodes=tuple(nodes), outputs=outputs, budget_bytes=budget_bytes)
+    return GraphProblem(
+        problem=problem,
+        fx_names=tuple(items[n].fx_names for n in order),
+        value_name=tuple(order),
+        source=tuple(items[n].source for n in order),
+        never_replay={ids[n]: items[n].never_replay for n in order if items[n].never_replay},
+    )
+
+
+def _drives_backward(item: _Item, name: str, items: Mapping[str, _Item]) -> bool:
+    """Backward items are emitted in joint order from tangent-dependent ones; pure
+    helpers (views of params, detach of activations) wait for their first user."""
+    return name.startswith("tangents") or any(
+        items[j].phase is Phase.BACKWARD for j in item.inputs
+    ) or not item.inputs

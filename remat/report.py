@@ -1,0 +1,63 @@
+"""Human-readable reports of a planned step: what was saved, recomputed, and why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from remat.budget import format_bytes
+from solvers import Decision, Phase
+
+if TYPE_CHECKING:
+    from remat.api import PlannedStep
+
+
+def summary(step: "PlannedStep", *, top: int = 10) -> str:
+    """Budget, baseline and predicted peak, where the peak is, recompute cost, counts,
+    and the largest saved and recomputed values with their source lines."""
+    gp, plan, ev = step.graph_problem, step.plan, step.evaluation
+    problem = gp.problem
+    nodes = problem.nodes
+    lines = [
+        f"remat plan ({plan.solver}, {plan.status.value}, solved in {plan.solve_s:.3f} s)",
+        f"  budget:          {format_bytes(step.budget_bytes)}",
+        f"  baseline peak:   {format_bytes(step.baseline_peak_bytes)}  (nothing recomputed)",
+        f"  predicted peak:  {format_bytes(ev.peak_bytes)}"
+        f"  ({100.0 * ev.peak_bytes / max(step.baseline_peak_bytes, 1):.1f}% of baseline)",
+    ]
+    if 0 <= ev.peak_step < len(ev.steps):
+        s = ev.steps[ev.peak_step]
+        where = gp.source[s.node_id] or "no source line"
+        lines.append(f"  peak at:         step {ev.peak_step} ({s.kind.value} {nodes[s.node_id].name}, {where})")
+    flops_note = f"{ev.recompute_s * 1e3:.3f} ms estimated"
+    lines.append(f"  recompute:       {len(ev.recomputed_ids)} values, {flops_note}")
+    lines.append(
+        f"  decisions:       {plan.count(Decision.SAVE)} saved, {plan.count(Decision.RECOMPUTE)} "
+        f"recomputed-or-dropped, {plan.count(Decision.OFFLOAD)} offloaded "
+        f"(of {len(problem.decision_ids)} forward values backward may need)"
+    )
+    lines.append(
+        f"  graph:           {sum(n.phase is Phase.FORWARD for n in nodes)} forward, "
+        f"{sum(n.phase is Phase.BACKWARD for n in nodes)} backward values"
+    )
+    t = step.timings
+    lines.append(
+        f"  planning time:   trace {t.trace_s:.2f} s, profile {t.profile_s:.2f} s, "
+        f"solve {t.solve_s:.2f} s, rewrite {t.rewrite_s:.2f} s"
+    )
+    read_in_backward = {s.node_id for s in ev.steps if s.kind.value != "forward"} | problem.needed_ids
+    saved = [i for i, d in plan.decisions.items() if d is Decision.SAVE and i in read_in_backward
+             and nodes[i].alias_of is None]
+    lines += _largest("largest saved values", saved, gp, top)
+    lines += _largest("largest recomputed values", list(ev.recomputed_ids), gp, top)
+    return "\n".join(lines)
+
+
+def _largest(title: str, ids: list[int], gp, top: int) -> list[str]:
+    nodes = gp.problem.nodes
+    ids = sorted(ids, key=lambda i: (-nodes[i].out_bytes, i))[:top]
+    out = [f"  {title}:"]
+    if not ids:
+        out.append("    (none)")
+    for i in ids:
+        out.append(f"    {nodes[i].out_bytes / 2**20:9.3f} MiB  {nodes[i].name:<28} {gp.source[i]}")
+    return out

@@ -1,0 +1,138 @@
+"""Plan -> forward and backward GraphModules that execute `simulate`'s schedule.
+
+The forward graph is AOTAutograd's extraction for the plan's saved set: it runs the
+forward nodes in joint order and returns the saved values. The backward graph contains
+every backward node plus the recomputation of every forward value it needs that was
+not saved (the extraction stops at saved values and primals, exactly where `simulate`'s
+recursion stops). We then reorder the backward graph to `simulate`'s canonical steps,
+so each recomputation sits just before its first use; fx's codegen frees every value
+after its last use, and AOTAutograd's boxed backward frees saved tensors as it goes.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from torch import fx
+from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+from remat.errors import UnsupportedGraphError
+from remat.problem import GraphProblem
+from solvers import Decision, Evaluation, Plan, StepKind
+
+
+def partition(
+    joint: fx.GraphModule,
+    graph_problem: GraphProblem,
+    plan: Plan,
+    evaluation: Evaluation,
+    *,
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward modules of `plan` (whose simulation is `evaluation`)."""
+    if any(d is Decision.OFFLOAD for d in plan.decisions.values()):
+        raise UnsupportedGraphError("the eager rewriter does not offload yet; plan without offload")
+    by_name = {n.name: n for n in joint.graph.nodes}
+    # Primals are saved too (free: they are live all step); extraction drops the unused.
+    saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    # Only the saved values backward reads (directly or to recompute): extraction keeps
+    # any saved value some copied node reads, even a dead random op it copied.
+    read = _read_in_backward(graph_problem, evaluation)
+    saved += [
+        by_name[graph_problem.value_name[i]]
+        for i, d in plan.decisions.items()
+        if d is Decision.SAVE and i in read
+    ]
+    fw, bw = _extract_fwd_bwd_modules(joint, saved, [], num_fwd_outputs=num_fwd_outputs)
+    _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
+    _check_recomputed(bw, graph_problem, evaluation)
+    _reorder(bw, _backward_rank(graph_problem, evaluation))
+    fw.graph.lint()
+    bw.graph.lint()
+    fw.recompile()
+    bw.recompile()
+    return fw, bw
+
+
+def _read_in_backward(graph_problem: GraphProblem, evaluation: Evaluation) -> set[int]:
+    """Problem ids read by some backward, recompute or reload step."""
+    nodes = graph_problem.problem.nodes
+    return {
+        j
+        for step in evaluation.steps
+        if step.kind is not StepKind.FORWARD
+        for j in nodes[step.node_id].inputs
+    }
+
+
+def _backward_rank(graph_problem: GraphProblem, evaluation: Evaluation) -> dict[str, int]:
+    """fx name -> position in simulate's backward steps."""
+    rank: dict[str, int] = {}
+    steps = [s for s in evaluation.steps if s.kind is not StepKind.FORWARD]
+    for k, step in enumerate(steps):
+        for name in graph_problem.fx_names[step.node_id]:
+            rank.setdefault(name, k)
+    return rank
+
+
+def _drop_dead_copies(bw: fx.GraphModule, joint_names: set[str]) -> None:
+    """Extraction copies every node whose inputs are available, and fx's DCE keeps
+    impure ones (random ops): rerunning dropout in backward would consume the RNG.
+    Remove every unused copy of a joint-graph op, to a fixed point."""
+    for node in reversed(list(bw.graph.nodes)):
+        if node.op == "call_function" and not node.users and node.name in joint_names:
+            bw.graph.erase_node(node)
+
+
+def _check_recomputed(bw: fx.GraphModule, graph_problem: GraphProblem, evaluation: Evaluation) -> None:
+    """The forward values the backward graph computes are exactly simulate's recomputes."""
+    problem = graph_problem.problem
+    names = {n.name for n in bw.graph.nodes if n.op == "call_function"}
+    in_graph = {
+        i for i in problem.forward_ids
+        if graph_problem.value_name[i] in names
+    }
+    expected = set(evaluation.recomputed_ids)
+    if in_graph != expected:
+        extra = sorted(graph_problem.value_name[i] for i in in_graph - expected)[:5]
+        missing = sorted(graph_problem.value_name[i] for i in expected - in_graph)[:5]
+        raise UnsupportedGraphError(
+            "internal: the backward graph recomputes a different set than the plan "
+            f"(extra {extra}, missing {missing}); please report this model"
+        )
+
+
+def _reorder(gm: fx.GraphModule, rank: dict[str, int]) -> None:
+    """Topologically reorder `gm` by `rank`; unranked nodes go just before their first
+    user (or as early as possible when they have none)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: k for k, n in enumerate(nodes)}
+    big = len(nodes) + 1
+    key: dict[fx.Node, tuple[float, int]] = {}
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output"):
+            key[n] = (-1 if n.op == "placeholder" else big + 1, index[n])
+        elif n.name in rank:
+            key[n] = (rank[n.name], index[n])
+        else:
+            users = [key[u][0] for u in n.users if u in key]
+            key[n] = ((min(users) - 0.5) if users else -0.5, index[n])
+    indegree = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(key[n], index[n], n) for n in nodes if indegree[n] == 0]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                heapq.heappush(ready, (key[u], index[u], u))
+    if len(order) != len(nodes):
+        raise UnsupportedGraphError("internal: backward graph has a cycle after extraction")
+    cursor = None
+    for n in order:
+        if cursor is not None and cursor.next is not n:
+            cursor.append(n)
+        cursor = n

@@ -1,0 +1,171 @@
+"""Trace a model into AOTAutograd's joint forward+backward graph and compile it with a
+partitioner of ours.
+
+Route: the model is wrapped in a `FlatModel` (flat tensor inputs, flat tensor outputs,
+only the loss differentiable) and handed to `aot_module_simplified`, which traces
+`functional_call` with fake tensors through `make_fx` (functionalized ATen, every node
+with `meta["val"]`). AOTAutograd calls our `partition_fn` with the joint graph; we plan
+there and return the forward and backward GraphModules. AOTAutograd's own runtime then
+runs them inside its `autograd.Function`: saved tensors are handed to backward and freed
+as backward consumes them, input mutations (BatchNorm running stats) are applied once
+in the forward epilogue, and RNG ops run only in the forward graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from remat.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+Partitioner = Callable[..., tuple[fx.GraphModule, fx.GraphModule]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatSignature:
+    """How a call's (args, kwargs) map to the flat tensor list, and its cache key."""
+
+    spec: pytree.TreeSpec
+    tensor_positions: tuple[int, ...]
+    constants: tuple[Any, ...]
+    key: tuple[Any, ...]
+
+    @staticmethod
+    def of(args: Sequence[Any], kwargs: dict[str, Any], training: bool) -> "FlatSignature":
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        shapes = tuple(
+            (tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+            for x in leaves
+            if isinstance(x, torch.Tensor)
+        )
+        try:
+            hash(constants)
+            const_key: Any = constants
+        except TypeError:
+            const_key = repr(constants)
+        return FlatSignature(spec, positions, constants, (training, str(spec), shapes, const_key))
+
+    def tensors(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        return [leaves[i] for i in self.tensor_positions]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves = list(self.constants)
+        for i, t in zip(self.tensor_positions, tensors):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+def find_loss(output: Any) -> torch.Tensor:
+    """The scalar loss of a model's output: `output.loss`, `output["loss"]`, or the
+    output itself when it is a scalar tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TraceError(
+            f"the model returned {type(output).__name__}, which has no scalar loss: return a "
+            "scalar tensor, or an object with a scalar `.loss` (e.g. pass labels to a "
+            "transformers model)"
+        )
+    return loss
+
+
+class FlatModel(nn.Module):
+    """The model as a function of flat tensors; outputs flattened, only the loss
+    differentiable (remat plans the backward of the loss; other outputs are detached)."""
+
+    def __init__(self, model: nn.Module, signature: FlatSignature) -> None:
+        super().__init__()
+        self.model = model
+        self.signature = signature
+        self.out_spec: pytree.TreeSpec | None = None
+        self.out_positions: tuple[int, ...] = ()
+        self.out_constants: tuple[Any, ...] = ()
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = self.signature.rebuild(tensors)
+        output = self.model(*args, **kwargs)
+        loss = find_loss(output)
+        leaves, spec = pytree.tree_flatten(output)
+        self.out_spec = spec
+        self.out_positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        self.out_constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        flat = []
+        for i in self.out_positions:
+            x = leaves[i]
+            flat.append(x if x is loss else x.detach())
+        return tuple(flat)
+
+    def unflatten(self, flat: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_constants)
+        for i, t in zip(self.out_positions, flat):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def _identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """Run the graph eagerly with the boxed calling convention: the generated code
+    clears its argument list, so saved tensors die at their last use in backward
+    (with a plain call, the caller's list would keep every one alive to the end)."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def compile_joint(
+    flat_model: FlatModel, tensors: Sequence[torch.Tensor], partition_fn: Partitioner
+) -> Callable[..., Any]:
+    """Trace `flat_model` on `tensors` and compile it with `partition_fn` (which AOTAutograd
+    calls once, with the joint graph). Returns the callable of flat tensors."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    try:
+        return aot_module_simplified(
+            flat_model,
+            list(tensors),
+            fw_compiler=_identity_compiler,
+            bw_compiler=_identity_compiler,
+            partition_fn=partition_fn,
+        )
+    except (torch._dynamo.exc.UserError, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+            torch._subclasses.fake_tensor.DynamicOutputShapeException,
+            torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+        raise TraceError(_trace_failure_message(e)) from e
+
+
+def _trace_failure_message(error: BaseException) -> str:
+    """Name the user source line torch was at when tracing failed."""
+    import traceback
+
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__)
+        if "/torch/" not in f.filename and "/remat/" not in f.filename
+    ]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"could not trace the model into a joint graph{where}: {type(error).__name__}: {first}. "
+        "remat needs a model whose control flow does not depend on tensor values "
+        "(no .item()/nonzero()-driven branches); rewrite that line or run it outside the model"
+    )
