@@ -8,7 +8,8 @@
    a matmul reads its inputs, a relu its output, an add nothing);
  - a value with several gradient contributions gets an accumulation node, emitted as
    soon as its last contribution exists;
- - parameter gradients and the loss are the problem's outputs.
+ - the loss and the gradients of parameters (and of inputs with requires_grad) are
+   the problem's outputs.
 Ops whose gradient is a view of the output gradient (add, reshape, concat) mark their
 input gradients `alias_of` the output gradient, so they cost no new storage.
 
@@ -109,7 +110,8 @@ def joint_from_forward(
             )))
             if len(contributions[u]) == expected[u]:
                 grad[u] = _accumulate(nodes, ops[u], contributions[u])
-    outputs = [loss] + [grad[u] for u, op in enumerate(ops) if op.phase is Phase.PARAM and u in grad]
+    # The gradients of parameters (and of inputs that want one) leave the step.
+    outputs = [loss] + [grad[u] for u, op in enumerate(ops) if op.phase is not Phase.FORWARD and u in grad]
     return _finalize(nodes, outputs, budget_bytes, offload_bandwidth_bytes_per_s)
 
 
