@@ -58,7 +58,9 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 def source_line(node: fx.Node) -> str:
-    """The innermost user frame of the node's stack trace, as 'file:line'."""
+    """Where the node comes from in user code: the innermost user frame of its stack
+    trace as 'file:line' when torch recorded one, else the innermost module that ran it
+    as 'path.to.module (ClassName)' (AOTAutograd records the module stack)."""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
     for ln in reversed(lines):
@@ -67,6 +69,13 @@ def source_line(node: fx.Node) -> str:
             file = parts[0].removeprefix("File ").strip('"')
             line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
             return f"{file}:{line}"
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        entry = list(stack.values())[-1]
+        path, cls = entry[0], entry[1]
+        where = f" {entry[2]}" if len(entry) > 2 and entry[2] else ""
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+        return f"{path} ({name}){where}"
     return ""
 
 

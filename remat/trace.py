@@ -13,7 +13,10 @@ in the forward epilogue, and RNG ops run only in the forward graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,17 +144,63 @@ def compile_joint(
     from torch._functorch.aot_autograd import aot_module_simplified
 
     try:
-        return aot_module_simplified(
-            flat_model,
-            list(tensors),
-            fw_compiler=_identity_compiler,
-            bw_compiler=_identity_compiler,
-            partition_fn=partition_fn,
-        )
+        with _record_module_locations(flat_model.model):
+            return aot_module_simplified(
+                flat_model,
+                list(tensors),
+                fw_compiler=_identity_compiler,
+                bw_compiler=_identity_compiler,
+                partition_fn=partition_fn,
+            )
     except (torch._dynamo.exc.UserError, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
             torch._subclasses.fake_tensor.DynamicOutputShapeException,
             torch._subclasses.fake_tensor.DataDependentOutputException) as e:
         raise TraceError(_trace_failure_message(e)) from e
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_location(cls: type) -> str:
+    try:
+        lines, first = inspect.getsourcelines(cls.forward)
+        path = str(inspect.getsourcefile(cls.forward))
+        return f"{path.rsplit('site-packages/', 1)[-1]}:{first}"
+    except (OSError, TypeError):
+        return ""
+
+
+@contextlib.contextmanager
+def _record_module_locations(model: nn.Module):
+    """While tracing, stamp every node with the module that ran it: AOTAutograd's
+    make_fx copies `fx.traceback.current_meta` into each node it creates when node meta
+    is preserved. Stored as `nn_module_stack`: {path: (path, class, 'file:line')}."""
+    from torch.fx import traceback as fx_traceback
+
+    names = {id(m): name for name, m in model.named_modules()}
+    saved: list[Any] = []
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        name = names.get(id(module))
+        if name is None:
+            return
+        stack = dict(fx_traceback.current_meta.get("nn_module_stack") or {})
+        saved.append(fx_traceback.current_meta.get("nn_module_stack"))
+        stack[name or "<model>"] = (name or "<model>", type(module), _forward_location(type(module)))
+        fx_traceback.current_meta["nn_module_stack"] = stack
+
+    def post(module: nn.Module, _args: Any, _out: Any) -> None:
+        if id(module) in names and saved:
+            fx_traceback.current_meta["nn_module_stack"] = saved.pop()
+
+    from torch.nn.modules import module as module_hooks
+
+    with fx_traceback.preserve_node_meta():
+        h1 = module_hooks.register_module_forward_pre_hook(pre)
+        h2 = module_hooks.register_module_forward_hook(post)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
 
 
 def _trace_failure_message(error: BaseException) -> str:
