@@ -48,7 +48,8 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
     saved = [i for i, d in plan.decisions.items() if d is Decision.SAVE and i in read_in_backward
              and nodes[i].alias_of is None]
     lines += _largest("largest saved values", saved, gp, top)
-    lines += _largest("largest recomputed values", list(ev.recomputed_ids), gp, top)
+    recomputed = [i for i in ev.recomputed_ids if nodes[i].alias_of is None]
+    lines += _largest("largest recomputed values", recomputed, gp, top)
     return "\n".join(lines)
 
 
