@@ -4,7 +4,8 @@ FLOPs follow `torch.utils.flop_counter` (only matmul-like ops count; elementwise
 are 0 FLOPs and costed by the bytes they move), plus formulas for what it misses in
 torch 2.13: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
 kernels CPU SDPA dispatches to). `flop_counter_mode()` gives a `FlopCounterMode` that
-knows those formulas too, so measured and modelled FLOPs agree.
+knows those formulas too, so measured and modelled FLOPs agree; `FlopCounter` counts the
+same without FlopCounterMode's module tracker (which breaks on AOTAutograd's runtime).
 
 Time: ``max(flops / peak_flops_per_s, bytes_moved / bandwidth_bytes_per_s)`` with the
 device's figures from a sub-second microbenchmark, cached as JSON under
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,39 @@ def flop_counter_mode(**kwargs: Any) -> flop_counter.FlopCounterMode:
     """A quiet `FlopCounterMode` that also counts CPU flash attention."""
     kwargs.setdefault("display", False)
     return flop_counter.FlopCounterMode(custom_mapping=dict(EXTRA_FLOP_FORMULAS), **kwargs)
+
+
+class FlopCounter(TorchDispatchMode):
+    """Count FLOPs of everything run inside it, like `FlopCounterMode` (same formulas,
+    composite ops decomposed the same way, CPU flash attention included) but without its
+    module tracker, whose hooks fail on fx GraphModules run inside an autograd.Function
+    (AOTAutograd's runtime: "Expected gradient function to be set").
+
+        with FlopCounter() as counter:
+            step()
+        counter.total_flops
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total_flops = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = _REGISTRY.get(func.overloadpacket)
+        if formula is None and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            flops = _as_int(formula(*args, **kwargs, out_val=out))
+            self.total_flops += flops
+            name = str(func.overloadpacket)
+            self.by_op[name] = self.by_op.get(name, 0) + flops
+        return out
 
 
 def _as_int(value: Any) -> int:

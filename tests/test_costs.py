@@ -66,6 +66,31 @@ def test_graph_flops_equal_flop_counter_mode_on_eager(graph):
     assert sum(node_flops(n) for n in graph.nodes) == counter.get_total_flops()
 
 
+def test_flop_counter_equals_flop_counter_mode():
+    with flop_counter_mode() as reference:
+        _step(*_inputs())
+    with costs.FlopCounter() as counter:
+        _step(*_inputs())
+    assert counter.total_flops == reference.get_total_flops() > 0
+    assert counter.by_op["aten.mm"] == 2 * 32 * 5 * 8
+
+
+def test_flop_counter_through_aot_autograd_runtime():
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def fn(x, w):
+        return (x @ w.t()).relu().sum()
+
+    compiled = aot_function(fn, fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=lambda gm, _: make_boxed_func(gm),
+                            partition_fn=min_cut_rematerialization_partition)
+    x, w = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True)
+    compiled(x, w).backward()  # compile outside the counter
+    with costs.FlopCounter() as counter:
+        compiled(x, w).backward()
+    assert counter.total_flops == 2 * (2 * 4 * 8 * 16)  # forward mm and weight-grad mm
+
+
 def test_torch_registry_misses_cpu_flash_attention():
     # Why the extra formula exists; if torch adds it, the extra mapping becomes empty.
     packet = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
