@@ -8,6 +8,9 @@ Transformers models are built from configs (no downloads) with
 AOTAutograd, and on CPU it runs ``_scaled_dot_product_flash_attention_for_cpu`` (the
 math path when attention dropout is on, as in ``gpt2``).
 
+Causal LMs have ``use_cache=False`` (training needs no KV cache; a cache mutated inside a
+checkpointed block would be appended to twice).
+
 Sizes: ``"tiny"`` for unit tests (a forward+backward well under 0.5 s on a 2-core CPU),
 ``"bench"`` for benchmarks (well under a few seconds per step), and for ``gpt2`` also
 ``"small"`` (4 layers, 256 wide, batch 8, sequence 256).
@@ -185,7 +188,7 @@ def _gpt2(spec, gen):
     spec, (batch, seq) = _split(spec, "batch", "seq")
     last = spec["vocab_size"] - 1  # the default special ids (50256) lie outside a small vocabulary
     config = GPT2Config(**spec, n_positions=seq, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                        bos_token_id=last, eos_token_id=last, attn_implementation="sdpa")
+                        bos_token_id=last, eos_token_id=last, use_cache=False, attn_implementation="sdpa")
     model = GPT2LMHeadModel(config)
     ids = _tokens(gen, spec["vocab_size"], batch, seq)
     return model, (ids,), {"labels": ids}, tuple(model.transformer.h)
@@ -195,7 +198,7 @@ def _llama(spec, gen):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec, (batch, seq) = _split(spec, "batch", "seq")
-    config = LlamaConfig(**spec, max_position_embeddings=seq, attn_implementation="sdpa")
+    config = LlamaConfig(**spec, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(config)
     ids = _tokens(gen, spec["vocab_size"], batch, seq)
     return model, (ids,), {"labels": ids}, tuple(model.model.layers)
