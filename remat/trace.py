@@ -144,7 +144,11 @@ def compile_joint(
     from torch._functorch.aot_autograd import aot_module_simplified
 
     try:
-        with _record_module_locations(flat_model.model):
+        # Trace as non-strict torch.export does: libraries that branch on
+        # torch.compiler.is_compiling() take their trace-friendly paths.
+        from torch._export.utils import _compiling_state_context
+
+        with _record_module_locations(flat_model.model), _compiling_state_context():
             return aot_module_simplified(
                 flat_model,
                 list(tensors),
