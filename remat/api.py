@@ -154,7 +154,10 @@ class Planned(nn.Module):
         flat = FlatModel(self.model, signature)
         num_params = len(dict(flat.named_parameters(remove_duplicate=False))) + len(
             dict(flat.named_buffers(remove_duplicate=False)))
-        partitioner = _Partitioner(num_params=num_params, budget=self.budget, solver=self.solver,
+        # Re-plans keep the bytes the first plan resolved: the device does not grow.
+        cache = self.__dict__["_remat_cache"]
+        budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
+        partitioner = _Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started)
         try:
             compiled = compile_joint(flat, signature.tensors(args, kwargs), partitioner)
