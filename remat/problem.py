@@ -24,9 +24,9 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
+from remat.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
 from solvers import Node, Phase, Problem
 
-_NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,60 +42,6 @@ class GraphProblem:
     """Per problem id: 'file:line' of the user code that made it, or ''."""
     never_replay: Mapping[int, str]
     """Problem ids that must not be recomputed, with the reason."""
-
-
-def _tensor_val(node: fx.Node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _storage_bytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def source_line(node: fx.Node) -> str:
-    """Where the node comes from in user code: the innermost user frame of its stack
-    trace as 'file:line' when torch recorded one, else the innermost module that ran it
-    as 'path.to.module (ClassName)' (AOTAutograd records the module stack)."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    for ln in reversed(lines):
-        if "/torch/" not in ln:
-            parts = ln.split(",")
-            file = parts[0].removeprefix("File ").strip('"')
-            line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
-            return f"{file}:{line}"
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        entry = list(stack.values())[-1]
-        path, cls = entry[0], entry[1]
-        where = f" {entry[2]}" if len(entry) > 2 and entry[2] else ""
-        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
-        return f"{path} ({name}){where}"
-    return ""
-
-
-def never_replay_reason(node: fx.Node) -> str | None:
-    """Why this op must never be recomputed, or None if it may be."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    tags = set(target.tags)
-    if torch.Tag.nondeterministic_seeded in tags:
-        return "random"
-    if target._schema.is_mutable:
-        return "mutating"
-    if target.namespace in _NEVER_REPLAY_NAMESPACES:
-        return "collective or offload"
-    if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
-        return "data-dependent"
-    if node.is_impure():
-        return "side effect"
-    return None
 
 
 @dataclasses.dataclass
@@ -128,7 +74,7 @@ def build_problem(
     primal_index = 0
     for node in joint.graph.nodes:
         if node.op == "placeholder":
-            val = _tensor_val(node)
+            val = tensor_val(node)
             if val is None:
                 continue
             if node.name.startswith("tangents"):
@@ -136,8 +82,8 @@ def build_problem(
             else:
                 phase = Phase.PARAM if primal_index < num_params else Phase.INPUT
                 primal_index += 1
-            key = _storage_key(val)
-            nbytes = 0 if key in seen_storage else _storage_bytes(val)
+            key = storage_key(val)
+            nbytes = 0 if key in seen_storage else storage_bytes(val)
             seen_storage.add(key)
             items[node.name] = _Item((node.name,), phase, (), nbytes, 0.0, None, None, "")
         elif node.op == "call_function" and node.target is not operator.getitem:
@@ -156,10 +102,10 @@ def _tensor_inputs(node: fx.Node, items: Mapping[str, _Item]) -> tuple[str, ...]
 
 
 def _alias_source(val: torch.Tensor, node: fx.Node, inputs: tuple[str, ...]) -> str | None:
-    key = _storage_key(val)
+    key = storage_key(val)
     for arg in node.all_input_nodes:
-        arg_val = _tensor_val(arg)
-        if arg.name in inputs and arg_val is not None and _storage_key(arg_val) == key:
+        arg_val = tensor_val(arg)
+        if arg.name in inputs and arg_val is not None and storage_key(arg_val) == key:
             return arg.name
     return None
 
@@ -173,32 +119,32 @@ def _items_of_op(
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         alias = _alias_source(val, node, inputs)
-        nbytes = _storage_bytes(val)
+        nbytes = storage_bytes(val)
         cost = 0.0 if alias is not None else cost_s(node)
         return [_Item((node.name,), phase, inputs, nbytes, cost, alias, reason, src)]
     if not isinstance(val, (tuple, list)):
         return []  # symbolic or None result: nothing to plan
     getitems = sorted(
-        (u for u in node.users if u.target is operator.getitem and _tensor_val(u) is not None),
+        (u for u in node.users if u.target is operator.getitem and tensor_val(u) is not None),
         key=lambda u: u.args[1],
     )
     used = {u.args[1] for u in getitems}
     dead_bytes = sum(
-        _storage_bytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
+        storage_bytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
     )
     out: list[_Item] = []
     first: _Item | None = None
     for g in getitems:
-        gval = _tensor_val(g)
+        gval = tensor_val(g)
         alias = _alias_source(gval, node, inputs)
         if alias is not None:  # a view of an input (split, unbind, chunk)
-            out.append(_Item((g.name,), phase, inputs, _storage_bytes(gval), 0.0, alias, reason, src))
+            out.append(_Item((g.name,), phase, inputs, storage_bytes(gval), 0.0, alias, reason, src))
         elif first is None:
-            first = _Item((node.name, g.name), phase, inputs, _storage_bytes(gval) + dead_bytes,
+            first = _Item((node.name, g.name), phase, inputs, storage_bytes(gval) + dead_bytes,
                           cost_s(node), None, reason, src)
             out.append(first)
         else:
-            out.append(_Item((g.name,), phase, (first.fx_names[-1], *inputs), _storage_bytes(gval),
+            out.append(_Item((g.name,), phase, (first.fx_names[-1], *inputs), storage_bytes(gval),
                              0.0, None, reason or "secondary output of a multi-output op", src))
     if first is None and dead_bytes:
         out.insert(0, _Item((node.name,), phase, inputs, dead_bytes, cost_s(node), None, reason, src))

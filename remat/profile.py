@@ -1,0 +1,64 @@
+"""Per-node profile of the joint graph: storage bytes and identity (aliasing), where a
+node comes from, and whether it may ever be replayed. FLOPs and seconds live in
+`remat.costs`."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+_NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
+
+
+def tensor_val(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def source_line(node: fx.Node) -> str:
+    """Where the node comes from in user code: the innermost user frame of its stack
+    trace as 'file:line' when torch recorded one, else the innermost module that ran it
+    as 'path.to.module (ClassName)' (AOTAutograd records the module stack)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    for ln in reversed(lines):
+        if "/torch/" not in ln:
+            parts = ln.split(",")
+            file = parts[0].removeprefix("File ").strip('"')
+            line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+            return f"{file}:{line}"
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        entry = list(stack.values())[-1]
+        path, cls = entry[0], entry[1]
+        where = f" {entry[2]}" if len(entry) > 2 and entry[2] else ""
+        name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+        return f"{path} ({name}){where}"
+    return ""
+
+
+def never_replay_reason(node: fx.Node) -> str | None:
+    """Why this op must never be recomputed, or None if it may be."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    tags = set(target.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if target._schema.is_mutable:
+        return "mutating"
+    if target.namespace in _NEVER_REPLAY_NAMESPACES:
+        return "collective or offload"
+    if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+        return "data-dependent"
+    if node.is_impure():
+        return "side effect"
+    return None
