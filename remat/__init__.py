@@ -11,6 +11,7 @@ from remat.errors import (
     InfeasibleBudgetError,
     RematError,
     TraceError,
+    UnknownSolverError,
     UnsupportedGraphError,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "Planned",
     "RematError",
     "TraceError",
+    "UnknownSolverError",
     "UnsupportedGraphError",
     "plan",
     "resolve_budget",

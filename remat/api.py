@@ -16,12 +16,12 @@ import torch
 from torch import fx, nn
 
 from remat import costs
-from remat.budget import format_bytes, resolve_budget
-from remat.errors import InfeasibleBudgetError, RematError
+from remat.budget import check_budget_syntax, format_bytes, resolve_budget
+from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
 from remat.problem import GraphProblem, build_problem
 from remat.rewrite import partition
 from remat.trace import FlatModel, FlatSignature, compile_joint
-from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from solvers import SOLVERS, Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,9 @@ def plan(
     `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if solver not in SOLVERS:
+        raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
+    check_budget_syntax(budget)  # fail before tracing, not after
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})

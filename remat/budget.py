@@ -41,9 +41,15 @@ def resolve_budget(budget: int | str, baseline_peak_bytes: int) -> int:
     value = float(match.group(1))
     if value <= 0:
         raise BudgetError(f"budget={budget!r} must be positive")
-    if unit == "%":
-        return int(baseline_peak_bytes * value / 100.0)
-    return int(value * _UNITS[unit])
+    resolved = int(baseline_peak_bytes * value / 100.0) if unit == "%" else int(value * _UNITS[unit])
+    if resolved <= 0:
+        raise BudgetError(f"budget={budget!r} resolves to {resolved} bytes; it must be at least 1 byte")
+    return resolved
+
+
+def check_budget_syntax(budget: int | str) -> None:
+    """Raise BudgetError for a malformed budget, before any tracing happens."""
+    resolve_budget(budget, baseline_peak_bytes=2**62)
 
 
 def format_bytes(n: int) -> str:

@@ -11,6 +11,10 @@ class BudgetError(RematError, ValueError):
     """A budget that cannot be parsed or resolved to bytes."""
 
 
+class UnknownSolverError(RematError, ValueError):
+    """A solver name that is not registered; the message lists the valid ones."""
+
+
 class InfeasibleBudgetError(RematError):
     """No plan fits the budget; `min_peak_bytes` is the smallest reachable peak."""
 

@@ -191,9 +191,12 @@ def _assemble(
             recomputable=it.never_replay is None, offloadable=True,
         ))
     out_node = joint.graph.output_node()
+    # Tangents stay live to the end: autograd holds the loss gradient it seeds backward
+    # with for the whole backward pass.
     outputs = tuple(dict.fromkeys(
-        ids[a.name] for a in torch.utils._pytree.tree_leaves(out_node.args)
-        if isinstance(a, fx.Node) and a.name in ids
+        [ids[a.name] for a in torch.utils._pytree.tree_leaves(out_node.args)
+         if isinstance(a, fx.Node) and a.name in ids]
+        + [ids[name] for name in order if name.startswith("tangents")]
     ))
     problem = Problem(nodes=tuple(nodes), outputs=outputs, budget_bytes=budget_bytes)
     return GraphProblem(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 
+import torch
 from torch import fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
@@ -45,6 +46,8 @@ def partition(
     ]
     fw, bw = _extract_fwd_bwd_modules(joint, saved, [], num_fwd_outputs=num_fwd_outputs)
     _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
+    _recompute_batch_norm_without_stats(bw)
+    _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
     _reorder(bw, _backward_rank(graph_problem, evaluation))
     fw.graph.lint()
@@ -82,6 +85,51 @@ def _drop_dead_copies(bw: fx.GraphModule, joint_names: set[str]) -> None:
     for node in reversed(list(bw.graph.nodes)):
         if node.op == "call_function" and not node.users and node.name in joint_names:
             bw.graph.erase_node(node)
+
+
+_BN_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+_BN_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+
+
+def _recompute_batch_norm_without_stats(bw: fx.GraphModule) -> None:
+    """A training-mode BatchNorm recomputed in backward must not read the running stats:
+    the forward epilogue has already updated them in place (reading them would trip
+    autograd's saved-tensor version check). In training mode outputs 0-2 do not depend
+    on them, so recompute with `_native_batch_norm_legit.no_stats` (same kernel, same
+    bits) and drop the running-stat outputs, which nothing in backward reads."""
+    for node in list(bw.graph.nodes):
+        if node.target is not _BN_FUNCTIONAL or node.args[5] is not True:
+            continue
+        x, weight, bias, _mean, _var, training, momentum, eps = node.args
+        for user in list(node.users):
+            if user.args[1] in (3, 4):
+                if user.users:
+                    raise UnsupportedGraphError(f"backward reads new BatchNorm stats: {user.format_node()}")
+                bw.graph.erase_node(user)
+        with bw.graph.inserting_before(node):
+            replacement = bw.graph.call_function(_BN_NO_STATS, (x, weight, bias, training, momentum, eps))
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        bw.graph.erase_node(node)
+
+
+def _prune_unused_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Drop saved values the backward no longer reads, from both sides (the forward
+    returns them after its `num_fwd_outputs` real outputs, in the backward's order)."""
+    unused = {n.name for n in bw.graph.nodes if n.op == "placeholder" and not n.users
+              and not n.name.startswith("tangents")}
+    if not unused:
+        return
+    for n in list(bw.graph.nodes):
+        if n.op == "placeholder" and n.name in unused:
+            bw.graph.erase_node(n)
+    out = fw.graph.output_node()
+    values = list(out.args[0])
+    kept = values[:num_fwd_outputs] + [
+        v for v in values[num_fwd_outputs:] if not (isinstance(v, fx.Node) and v.name in unused)
+    ]
+    out.args = (tuple(kept),)
+    fw.graph.eliminate_dead_code()
 
 
 def _check_recomputed(bw: fx.GraphModule, graph_problem: GraphProblem, evaluation: Evaluation) -> None:

@@ -79,8 +79,10 @@ def find_loss(output: Any) -> torch.Tensor:
     if loss is None and isinstance(output, torch.Tensor):
         loss = output
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = (f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor)
+                else type(output).__name__)
         raise TraceError(
-            f"the model returned {type(output).__name__}, which has no scalar loss: return a "
+            f"the model returned {what}, which has no scalar loss: return a "
             "scalar tensor, or an object with a scalar `.loss` (e.g. pass labels to a "
             "transformers model)"
         )

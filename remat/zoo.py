@@ -122,7 +122,8 @@ _SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
         "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, batch=2, seq=32),
         "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=8, seq=256),
-        "bench": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=8, seq=256),
+        # Half of "small" (batch 4), so that `bench/compare.py --quick` stays under 2 minutes.
+        "bench": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=4, seq=256),
     },
     "llama": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -200,5 +200,5 @@ def test_non_module_is_rejected():
 
 
 def test_unknown_solver_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown solver 'no-such-solver'; valid solvers: .*chen-greedy"):
+    with pytest.raises(remat.UnknownSolverError, match=r"unknown solver 'no-such-solver'; valid solvers: .*chen-greedy"):
         remat.plan(TinyNet(), (_x(),), budget="100%", solver="no-such-solver")

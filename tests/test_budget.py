@@ -37,3 +37,8 @@ def test_bad_budget_names_value_and_forms(budget):
 
 def test_format_bytes():
     assert format_bytes(3 * 2**20) == "3.00 MiB (3145728 B)"
+
+
+def test_percentage_that_rounds_to_zero_bytes_is_a_budget_error():
+    with pytest.raises(BudgetError, match=r"'0.001%' resolves to 0 bytes"):
+        resolve_budget("0.001%", baseline_peak_bytes=1000)
