@@ -21,3 +21,7 @@ register(SolverSpec(name="brute", run=solve_brute, options_type=Options, exact=T
                     summary="exhaustive oracle for small problems (<= 18 decision values)"))
 
 # --- exact solvers and auto (dp, ilp, auto) ---
+from solvers.dp import DPOptions, solve_dp  # noqa: E402
+
+register(SolverSpec(name="dp", run=solve_dp, options_type=DPOptions, exact=True,
+                    summary="exact DP over chains and block sequences (articulation points)"))

@@ -1,0 +1,236 @@
+"""`dp`: exact dynamic programming over chains and block sequences.
+
+Plan space: simulate's canonical plan space (every decision value SAVE / RECOMPUTE /
+OFFLOAD where allowed, canonical schedule), the same space `brute` enumerates. `dp`
+splits the problem at articulation points into blocks (dp_structure.py; a chain is a
+sequence of one-value blocks, a transformer one block per residual branch). For each
+block it enumerates the block's configurations (decisions of irrelevant values fixed)
+and replays the canonical schedule of the block's phases exactly (dp_local.py). The
+earlier blocks affect block b only through a constant K (bytes they keep alive) and,
+when the boundary a_{b-1} is dropped, the profile of recomputing it (P, N, NR), so a
+forward DP over blocks keeps, per (decision of a_b, "the suffix brings a_b back"), the
+Pareto front of (K, cost, P, N, NR): exact, in integer bytes, with no discretization.
+
+What dp cannot handle it refuses with UnsupportedProblem (no block sequence, a block
+with more configurations than `max_block_configs`). Its claims are checked: the final
+plan goes through simulate (base.finish) and must match the DP's predicted cost and
+peak, else it is returned FEASIBLE without a bound (and a warning is logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Mapping
+
+from solvers.base import Options, finish
+from solvers import dp_fronts as fronts
+from solvers.dp_fronts import DROPPED, Option, local_peak, next_summary
+from solvers.dp_local import NEG, BlockEvaluator, InvalidLocal, Local
+from solvers.dp_structure import Block, BlockSequence, analyze
+from solvers.problem import Decision, Phase, Plan, Problem
+from solvers.registry import UnsupportedProblem
+from solvers.simulate import evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOptions(Options):
+    """Options of `dp` (time_limit_s, seed and workers are accepted and unused: the DP
+    is deterministic and single-threaded)."""
+
+    max_block_configs: int = 1 << 14
+    """Largest number of configurations enumerated for one block; a larger block makes
+    dp raise UnsupportedProblem (use 'ilp')."""
+
+
+def solve_dp(problem: Problem, options: Options) -> Plan:
+    started = time.perf_counter()
+    if not problem.decision_ids:
+        return finish(problem, {}, "dp", started_s=started, optimal=True, lower_bound_s=0.0)
+    limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
+    seq = analyze(problem)
+    tables = block_tables(problem, seq, limit)
+    found = fronts.run(tables, seq.initial_bytes, problem.budget_bytes, min_peak=False)
+    feasible = found is not None
+    if not feasible:
+        # Nothing fits: the least peak, then the cheapest plan at that peak.
+        least = fronts.run(tables, seq.initial_bytes, problem.budget_bytes, min_peak=True)
+        found = fronts.run(tables, seq.initial_bytes, least[2], min_peak=False) or least
+    configs, cost, peak = found
+    decisions = {}
+    for block, config in zip(seq.blocks, configs):
+        decisions.update(zip(block.values, config))
+    decisions = {i: decisions[i] for i in problem.decision_ids}
+    ev = evaluate(problem, decisions)
+    exact = math.isclose(ev.cost_s, cost, rel_tol=1e-9, abs_tol=1e-12) and ev.peak_bytes == peak
+    if not exact:
+        log.warning("dp: predicted cost %.6g / peak %d but simulate gives %.6g / %d; not claiming optimality",
+                    cost, peak, ev.cost_s, ev.peak_bytes)
+    optimal = feasible and exact
+    return finish(problem, decisions, "dp", started_s=started, optimal=optimal,
+                  lower_bound_s=min(cost, ev.cost_s) if optimal else None)
+
+
+# ---- per-block tables ----
+
+
+def block_tables(problem: Problem, seq: BlockSequence, limit: int) -> list[tuple[dict, tuple[int, int]]]:
+    """For each block: context (mode of a_{b-1}, a_{b-1} brought back in block b) ->
+    Pareto-pruned options. Identical blocks (same signature) share one table."""
+    cache: dict[tuple, dict] = {}
+    out = []
+    for block in seq.blocks:
+        rel, offsets = _relative(block)
+        sig = _signature(problem, rel)
+        if sig not in cache:
+            cache[sig] = _table(problem, rel, limit)
+        out.append((cache[sig], offsets))
+    return out
+
+
+def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
+    """The block with its static bytes shifted to start at 0 in each phase, and the
+    shifts (a layer deep in a stack differs from the first one only by these)."""
+    off_f = min(block.static_forward)
+    off_g = min(block.static_backward + block.static_before, default=0)
+    rel = dataclasses.replace(
+        block,
+        static_forward=tuple(s - off_f for s in block.static_forward),
+        static_backward=tuple(s - off_g for s in block.static_backward),
+        static_before=tuple(s - off_g for s in block.static_before),
+    )
+    return rel, (off_f, off_g)
+
+
+def _table(problem: Problem, block: Block, limit: int) -> dict:
+    evaluator = BlockEvaluator(problem, block)
+    configs = enumerate_configs(problem, block, limit)
+    modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
+    groups: dict[tuple, list[Option]] = {}
+    for config in configs:
+        mode_b = config[-1] if block.boundary is not None else None
+        deltas = (False, True) if mode_b in DROPPED else (False,)
+        for mode_prev in modes_prev:
+            for delta in deltas:
+                try:
+                    local = evaluator.evaluate(config, mode_prev, delta)
+                except InvalidLocal:
+                    continue
+                touched = local.prev_touched if mode_prev in DROPPED else False
+                opt = Option(config, local, mode_b, delta)
+                groups.setdefault((mode_prev, touched, mode_b, delta, local.cascade_nested), []).append(opt)
+    table: dict[tuple, list[Option]] = {}
+    for (mode_prev, touched, *_), opts in groups.items():
+        table.setdefault((mode_prev, touched), []).extend(_prune_options(opts))
+    return table
+
+
+def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[Decision, ...]]:
+    """Configurations of the block's values, aligned with block.values. A value that no
+    backward node reads and that no RECOMPUTE value of the block reads is never needed:
+    SAVE and RECOMPUTE are then the same plan, so it is fixed to SAVE."""
+    nodes = problem.nodes
+    values = block.values
+    inside = set(values)
+    read_by_backward = {j for r in problem.backward_ids for j in nodes[r].inputs if j in inside}
+    children: dict[int, list[int]] = {v: [] for v in values}
+    for c in values:
+        for j in dict.fromkeys(nodes[c].inputs):
+            if j in inside:
+                children[j].append(c)
+    out: list[tuple[Decision, ...]] = []
+    partial: dict[int, Decision] = {}
+    order = list(reversed(values))
+
+    def rec(k: int) -> None:
+        if k == len(order):
+            out.append(tuple(partial[v] for v in values))
+            if len(out) > limit:
+                raise UnsupportedProblem(
+                    f"dp: block {block.index} ({len(values)} decision values, first "
+                    f"{nodes[values[0]].name!r}) has more than max_block_configs={limit} "
+                    "configurations; use 'ilp' or raise max_block_configs"
+                )
+            return
+        v = order[k]
+        relevant = (v == block.boundary or v in read_by_backward
+                    or any(partial[c] is Decision.RECOMPUTE for c in children[v]))
+        for d in problem.allowed(v) if relevant else (Decision.SAVE,):
+            partial[v] = d
+            rec(k + 1)
+        del partial[v]
+
+    rec(0)
+    return out
+
+
+def _option_vector(opt: Option) -> tuple[float, ...]:
+    loc = opt.local
+    g, c = loc.peak_backward, loc.cascade
+    vec = (loc.cost_s, loc.peak_forward, g.c, g.p, g.n, g.nr, loc.keep_bytes)
+    if c is not None:
+        vec += (c.c, c.p, c.n, c.nr, loc.cascade_net, loc.cascade_net - loc.cascade_freed)
+    return vec
+
+
+def _prune_options(opts: list[Option]) -> list[Option]:
+    """Drop options dominated in every component (same context and outcome key)."""
+    keyed = sorted(((_option_vector(o), o) for o in opts), key=lambda t: t[0])
+    kept: list[tuple[tuple[float, ...], Option]] = []
+    for vec, opt in keyed:
+        if not any(all(a <= b for a, b in zip(kv, vec)) for kv, _ in kept):
+            kept.append((vec, opt))
+    return [o for _, o in kept]
+
+
+def _signature(problem: Problem, block: Block) -> tuple:
+    """Everything the block's table depends on, with node ids relabeled locally and the
+    static bytes as given (identical layers of a stack share their table)."""
+    nodes = problem.nodes
+    local: dict[int, int] = {}
+    if block.prev is not None:
+        local[block.prev] = -1
+    items = []
+    for i in block.forward_steps + block.backward_steps:
+        local[i] = len(local)
+        n = nodes[i]
+        items.append((n.phase, n.out_bytes, n.compute_s, n.recomputable, n.offloadable,
+                      local.get(n.alias_of, None if n.alias_of is None else "x"),
+                      tuple(local.get(j, "x") for j in n.inputs)))
+    prev = None
+    if block.prev is not None:
+        p = nodes[block.prev]
+        prev = (p.out_bytes, p.recomputable, p.offloadable, block.prev_read_later)
+    return (tuple(items), prev, block.boundary is None, problem.offload_bandwidth_bytes_per_s,
+            block.static_forward, block.static_backward, block.static_before,
+            tuple(local.get(v) for v in block.values))
+
+
+# ---- the decomposition as a predictor (for tests) ----
+
+
+def predict(problem: Problem, decisions: Mapping[int, Decision]) -> tuple[float, int]:
+    """(cost, peak) of `decisions` computed block by block, as dp sees it; equals
+    simulate's (cost_s, peak_bytes) whenever `analyze` accepts the problem. Raises
+    InvalidLocal where simulate raises PlanError."""
+    seq = analyze(problem)
+    blocks = seq.blocks
+    evals = [BlockEvaluator(problem, b) for b in blocks]
+    configs = [tuple(decisions[v] for v in b.values) for b in blocks]
+    locs: list[Local] = [None] * len(blocks)  # type: ignore[list-item]
+    delta = False
+    for b in reversed(range(len(blocks))):
+        block = blocks[b]
+        mode_prev = decisions[block.prev] if block.prev is not None else None
+        mode_b = configs[b][-1] if block.boundary is not None else None
+        locs[b] = evals[b].evaluate(configs[b], mode_prev, delta and mode_b in DROPPED)
+        delta = locs[b].prev_touched
+    k, cost, summary, peak = 0, 0.0, (NEG, 0, 0), seq.initial_bytes
+    for block, loc in zip(blocks, locs):
+        peak = max(peak, k + int(local_peak(loc, (0, 0), *summary)))
+        k, cost, summary = k + loc.keep_bytes, cost + loc.cost_s, next_summary(loc, *summary)
+    return cost, peak

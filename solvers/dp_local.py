@@ -1,0 +1,292 @@
+"""Exact memory and cost of one block of a block sequence under one local configuration.
+
+`dp` needs, for block b and each choice of its decisions, what the canonical schedule
+(simulate.py) does during b's phases and what b leaves to the later blocks. This module
+replays exactly that part of the schedule (the same depth-first recomputation order, the
+same instance/storage lifetimes as `simulate`) on a local step list
+
+    F_b forward steps | MID | cascade | POST | G_b backward steps (with recomputations) | END
+
+where MID stands for all later phases before the suffix first needs a_b, "cascade" is
+the recomputation (or reload) of a_b triggered there, POST stands for the rest of the
+later phases, and END for the reads of a_{b-1} by block b-1. Bytes of the earlier
+blocks enter as symbols: the constant K they keep (added by the caller) and, when
+a_{b-1} is dropped, its own cascade summary (P, N, NR): the largest rise above the level
+at which it starts, the rise just before a_{b-1}'s own step, and the rise left after
+it. A result's peaks are max-plus forms `Terms` in these symbols.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from solvers.dp_structure import Block
+from solvers.problem import Decision, Phase, Problem
+
+NEG = float("-inf")
+
+# Step kinds of the local step list.
+FWD, REC, REL, BWD, MID, POST, NEST, ROOT, END = range(9)
+_PSEUDO = (MID, POST, NEST, END)
+
+
+class InvalidLocal(Exception):
+    """The configuration drops a non-recomputable value that is needed (a PlanError)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """max(c, p + P, n + N, nr + NR) for the previous boundary's cascade summary."""
+
+    c: float = NEG
+    p: float = NEG
+    n: float = NEG
+    nr: float = NEG
+
+    def at(self, p_in: float, n_in: float, nr_in: float) -> float:
+        return max(self.c, self.p + p_in, self.n + n_in, self.nr + nr_in)
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """What block b does under one configuration and context."""
+
+    cost_s: float
+    """Recompute and transfer seconds charged to this block's values."""
+    peak_forward: int
+    """Largest live bytes during F_b, static included, the earlier blocks' K excluded."""
+    peak_backward: Terms
+    """Largest live bytes during G_b (static included, K excluded)."""
+    keep_bytes: int
+    """Bytes of this block (and a_{b-1}) alive throughout the later blocks' phases."""
+    prev_touched: bool
+    """a_{b-1} is brought back (recomputed or reloaded) during this block's phases."""
+    cascade: Terms | None
+    """Summary P of recomputing a_b in the suffix (None: no such cascade)."""
+    cascade_net: int = 0
+    """Summary N (constant part): rise just before a_b's own recompute step."""
+    cascade_nested: bool = False
+    """The cascade recomputed a_{b-1} too (N and NR then include the incoming NR)."""
+    cascade_freed: int = 0
+    """Bytes freed right after a_b's recompute step (N - NR)."""
+
+
+class BlockEvaluator:
+    """Evaluates configurations of one block; configurations are tuples aligned with
+    `block.values`."""
+
+    def __init__(self, problem: Problem, block: Block) -> None:
+        self.problem = problem
+        self.block = block
+        self.nodes = problem.nodes
+        self.values = block.values
+        self.local_roots = set(block.values)
+        root = problem.storage_of
+        self.fwd_local = [root[i] in self.local_roots for i in block.forward_steps]
+        bw = problem.offload_bandwidth_bytes_per_s
+        self.transfer_s = {v: (self.nodes[v].out_bytes / bw if bw else 0.0) for v in block.values}
+
+    def evaluate(self, config: tuple[Decision, ...], mode_prev: Decision | None, delta: bool) -> Local:
+        """Raises InvalidLocal for a configuration simulate would reject."""
+        run = _Run(self, dict(zip(self.values, config)), mode_prev)
+        steps = run.build(delta)
+        level = run.levels(steps, delta)
+        return run.summarize(steps, level, delta)
+
+
+class _Run:
+    """One replay of the local step list."""
+
+    def __init__(self, ev: BlockEvaluator, dec: dict[int, Decision], mode_prev: Decision | None) -> None:
+        self.ev = ev
+        self.nodes = ev.nodes
+        self.dec = dec
+        self.prev = ev.block.prev
+        self.boundary = ev.block.boundary
+        self.mode_prev = mode_prev
+        self.on_device = {v for v, d in dec.items() if d is Decision.SAVE}
+        if self.prev is not None and mode_prev is Decision.SAVE:
+            self.on_device.add(self.prev)
+        self.cost_s = sum(ev.transfer_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)
+        self.touched = False
+        self.mid = self.post = -1
+        self.cascade = (0, 0)
+
+    def build(self, delta: bool) -> list[tuple[int, int, int]]:
+        """The local step list: (kind, node id, static bytes)."""
+        block = self.ev.block
+        steps = [(FWD, f, s) for f, s in zip(block.forward_steps, block.static_forward)]
+        if self.boundary is not None:
+            self.mid = len(steps)
+            steps.append((MID, self.boundary, 0))
+            if delta and self.dec[self.boundary] is not Decision.SAVE:
+                self.bring_back(self.boundary, 0, steps)
+            self.cascade = (self.mid + 1, len(steps))
+            self.post = len(steps)
+            steps.append((POST, self.boundary, 0))
+        self.g_start = len(steps)
+        nodes = self.nodes
+        for r, at, before in zip(block.backward_steps, block.static_backward, block.static_before):
+            for j in nodes[r].inputs:
+                if nodes[j].phase is Phase.FORWARD and j not in self.on_device:
+                    self.bring_back(j, before, steps)
+            steps.append((BWD, r, at))
+        if self.prev is not None and block.prev_read_later and self.prev in self.on_device:
+            steps.append((END, self.prev, 0))
+        return steps
+
+    def bring_back(self, root: int, static: int, steps: list[tuple[int, int, int]]) -> None:
+        """simulate._bring_back, with a_{b-1} as an opaque (nested) cascade."""
+        nodes, on_device, dec = self.nodes, self.on_device, self.dec
+        stack = [(root, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if i in on_device:
+                continue
+            if i == self.prev:
+                self.touched = True
+                on_device.add(i)
+                if self.mode_prev is Decision.OFFLOAD:
+                    steps.append((REL, i, static))
+                    continue
+                if not nodes[i].recomputable:
+                    raise InvalidLocal(i)
+                steps.append((NEST, i, static))
+                steps.append((ROOT, i, static))
+                continue
+            d = dec[i]
+            if d is Decision.OFFLOAD:
+                steps.append((REL, i, static))
+                self.cost_s += self.ev.transfer_s[i]
+                on_device.add(i)
+                continue
+            if not nodes[i].recomputable:
+                raise InvalidLocal(i)
+            if expanded:
+                steps.append((REC, i, static))
+                self.cost_s += nodes[i].compute_s
+                on_device.add(i)
+                continue
+            stack.append((i, True))
+            for j in reversed(nodes[i].inputs):
+                if nodes[j].phase is Phase.FORWARD and j not in on_device:
+                    stack.append((j, False))
+
+    def levels(self, steps: list[tuple[int, int, int]], delta: bool) -> list[int]:
+        """Local live bytes at each step (simulate._account restricted to this block's
+        storages and a_{b-1}; a_b is left out between MID and POST, where block b+1
+        counts it)."""
+        nodes, ev = self.nodes, self.ev
+        newest: dict[int, int] = {}
+        inst_storage: list[int] = []
+        inst_end: list[int] = []
+        s_bytes: list[int] = []
+        s_start: list[int] = []
+        s_owner: list[int] = []
+
+        def new_storage(i: int, k: int, size: int) -> None:
+            newest[i] = len(inst_storage)
+            inst_storage.append(len(s_bytes))
+            inst_end.append(k)
+            s_bytes.append(size)
+            s_start.append(k)
+            s_owner.append(i)
+
+        def read(j: int, k: int) -> None:
+            inst = newest.get(j)
+            if inst is not None and inst_end[inst] < k:
+                inst_end[inst] = k
+
+        if self.prev is not None:  # its forward instance: alive from the start while read
+            new_storage(self.prev, 0, nodes[self.prev].out_bytes)
+            inst_end[0] = -1
+        fwd_local = ev.fwd_local
+        for k, (kind, i, _) in enumerate(steps):
+            if kind in (FWD, REC, BWD):
+                for j in nodes[i].inputs:
+                    read(j, k)
+            elif kind in (MID, END) or kind == POST and delta:
+                read(i, k)
+            if kind == FWD and not fwd_local[k] or kind in (BWD, MID, POST, NEST, END):
+                continue
+            node = nodes[i]
+            if node.alias_of is not None and kind != REL:
+                if node.alias_of not in newest:  # a view of a parameter or input
+                    newest.pop(i, None)
+                    continue
+                newest[i] = len(inst_storage)
+                inst_storage.append(inst_storage[newest[node.alias_of]])
+                inst_end.append(k)
+            else:
+                new_storage(i, k, node.out_bytes)
+        s_end = [-1] * len(s_bytes)
+        for inst, s in enumerate(inst_storage):
+            if inst_end[inst] > s_end[s]:
+                s_end[s] = inst_end[inst]
+        diff = [0] * (len(steps) + 1)
+        for s, size in enumerate(s_bytes):
+            a, e = s_start[s], s_end[s]
+            if not size or e < a:
+                continue
+            diff[a] += size
+            diff[e + 1] -= size
+            if s_owner[s] == self.boundary and self.mid >= 0:
+                lo, hi = max(a, self.mid), min(e, self.post)
+                if lo <= hi:
+                    diff[lo] -= size
+                    diff[hi + 1] += size
+        level, live = [], 0
+        for k in range(len(steps)):
+            live += diff[k]
+            level.append(live)
+        return level
+
+    def summarize(self, steps: list[tuple[int, int, int]], level: list[int], delta: bool) -> Local:
+        n_fwd = len(self.ev.block.forward_steps)
+        peak_forward = max(s + level[k] for k, (_, _, s) in enumerate(steps[:n_fwd]))
+        keep = level[self.mid] if self.mid >= 0 else 0
+        lo, hi = self.cascade
+        cascade, net, freed, nested = None, 0, 0, False
+        if hi > lo and self.dec[self.boundary] is Decision.RECOMPUTE:
+            root = hi - 1  # a_b's own recompute step closes the cascade
+            cascade, nested = _terms(steps, level, lo, root, None, -keep)
+            net = level[root] - keep
+            freed = level[root] - level[self.post]
+        backward, _ = _terms(steps, level, self.g_start, len(steps), "nr" if nested else None, 0)
+        return Local(
+            cost_s=self.cost_s,
+            peak_forward=peak_forward,
+            peak_backward=backward,
+            keep_bytes=keep,
+            prev_touched=self.touched,
+            cascade=cascade,
+            cascade_net=net,
+            cascade_nested=nested,
+            cascade_freed=freed,
+        )
+
+
+def _terms(
+    steps: list[tuple[int, int, int]], level: list[int], lo: int, hi: int, start: str | None, shift: int
+) -> tuple[Terms, bool]:
+    """Max-plus form of the peak over steps[lo:hi]: steps before a_{b-1}'s nested cascade
+    are constants, its start adds P, its root step adds N, and the steps after add NR.
+    `start` forces every step into one symbol (e.g. "nr": the cascade already happened)."""
+    best = {"c": NEG, "p": NEG, "n": NEG, "nr": NEG}
+    stage = start or "c"
+    nested = False
+    for k in range(lo, hi):
+        kind, _, static = steps[k]
+        value = static + level[k] + shift
+        if kind == NEST:
+            best["p"] = max(best["p"], value)
+            nested = True
+            continue
+        if kind == ROOT:
+            best["n"] = max(best["n"], value)
+            stage = "nr"
+            continue
+        if kind in _PSEUDO:
+            continue
+        best[stage] = max(best[stage], value)
+    return Terms(**best), nested
