@@ -1,0 +1,592 @@
+"""Benchmark remat against what PyTorch users have today, with the same instruments.
+
+Methods, per model (GPT-2 with dropout, LLaMA, BERT, ViT, ResNet-18 with BatchNorm):
+  eager       no rematerialization
+  checkpoint  ``torch.utils.checkpoint`` (non-reentrant) around every block
+  torch       AOTAutograd + ``min_cut_rematerialization_partition`` under
+              ``torch._functorch.config.activation_memory_budget`` in {1.0 ... 0.0}, with
+              eager (boxed, free-at-last-use) fw/bw compilers, as remat runs its graphs
+  remat:S     ``remat.plan(..., solver=S)`` over budgets from the no-remat peak down to
+              the smallest reachable one
+
+Per run: measured peak (live-storage tracker; the profiler's allocator view too), extra
+FLOPs over eager (FlopCounterMode), median step time interleaved with eager steps,
+planning time, and whether gradients and buffers (BatchNorm statistics) equal eager's.
+Writes ``results/compare/<model>.{md,json,png}`` and ``summary.md`` with the verdicts.
+
+    HF_HUB_OFFLINE=1 python bench/compare.py            # everything
+    HF_HUB_OFFLINE=1 python bench/compare.py --quick    # gpt2, two budgets, < 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from remat import zoo  # noqa: E402
+from remat.costs import FlopCounter  # noqa: E402
+from remat.measure import measure_step, measure_step_profiler  # noqa: E402
+
+log = logging.getLogger("bench.compare")
+
+MODELS = ("gpt2", "llama", "bert", "vit", "resnet")
+TORCH_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+FIXED_SOLVERS = ("none", "all")  # one point each: their plan ignores the budget
+SEED = 1234
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One measured configuration."""
+
+    model: str
+    method: str
+    """eager | checkpoint | torch | remat:<solver>"""
+    setting: str
+    """The budget as the method takes it ("-" for none)."""
+    peak_bytes: int | None = None
+    profiler_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    flops: int | None = None
+    extra_flops: int | None = None
+    step_s: float | None = None
+    eager_step_s: float | None = None
+    slowdown: float | None = None
+    """Median over interleaved pairs of step_s / eager step_s."""
+    plan_s: float | None = None
+    grads_equal: bool | None = None
+    grads_max_abs_diff: float | None = None
+    buffers_equal: bool | None = None
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.peak_bytes is not None and self.extra_flops is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A method ready to run: ``step()`` is one forward+backward on ``case``."""
+
+    case: zoo.ModelCase
+    step: Callable[[], Any]
+    plan_s: float = 0.0
+    predicted_peak_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    """remat's predicted no-remat peak (where its budget sweep starts)."""
+
+
+# --- methods -----------------------------------------------------------------------------
+
+
+def _loss_step(module: Callable[..., Any], case: zoo.ModelCase) -> Callable[[], None]:
+    def step() -> None:
+        module(*case.args, **case.kwargs).loss.backward()
+
+    return step
+
+
+def prepare_eager(case: zoo.ModelCase) -> Prepared:
+    return Prepared(case=case, step=_loss_step(case.model, case))
+
+
+def prepare_checkpoint(case: zoo.ModelCase) -> Prepared:
+    """Non-reentrant activation checkpointing around every block's forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in case.blocks:
+        def forward(*args: Any, _inner=block.forward, **kwargs: Any) -> Any:
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+    return Prepared(case=case, step=_loss_step(case.model, case))
+
+
+@contextlib.contextmanager
+def traceable_transformers():
+    """Tell transformers it is being compiled while AOTAutograd traces (as non-strict
+    ``torch.export`` does), so it skips its data-dependent mask shortcuts: under
+    functionalization its FakeTensor check misses and ``.all()`` on a fake tensor fails."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
+def _boxed_eager(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[[list[Any]], Any]:
+    """Run the graph eagerly with the boxed calling convention, so inputs (saved tensors
+    in backward) die at their last use, as under inductor."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class _LossOnly(nn.Module):
+    """The model as a function of flat tensors returning ``(loss,)``."""
+
+    def __init__(self, model: nn.Module, kwarg_names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.kwarg_names = kwarg_names
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        n = len(tensors) - len(self.kwarg_names)
+        return (self.model(*tensors[:n], **dict(zip(self.kwarg_names, tensors[n:]))).loss,)
+
+
+def prepare_torch(case: zoo.ModelCase, budget: float) -> Prepared:
+    """AOTAutograd with PyTorch's min-cut partitioner at `budget`, compiled eagerly."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    wrapper = _LossOnly(case.model, tuple(case.kwargs))
+    inputs = [*case.args, *case.kwargs.values()]
+    started = time.perf_counter()
+    with functorch_config.patch(activation_memory_budget=budget), traceable_transformers():
+        compiled = aot_module_simplified(wrapper, inputs, fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
+                                         partition_fn=min_cut_rematerialization_partition)
+    plan_s = time.perf_counter() - started
+
+    def step() -> None:
+        compiled(*inputs)[0].backward()
+
+    return Prepared(case=case, step=step, plan_s=plan_s)
+
+
+def prepare_remat(case: zoo.ModelCase, budget: int | str, solver: str) -> Prepared:
+    import remat
+
+    started = time.perf_counter()
+    with traceable_transformers():
+        planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver)
+    plan_s = time.perf_counter() - started
+    return Prepared(case=case, step=_loss_step(planned, case), plan_s=plan_s,
+                    predicted_peak_bytes=planned.predicted_peak_bytes,
+                    baseline_peak_bytes=planned.baseline_peak_bytes)
+
+
+def remat_available() -> str | None:
+    """None if ``remat.plan`` can be called, else why not."""
+    try:
+        import remat
+    except ImportError as e:
+        return f"import remat failed ({e})"
+    if not callable(getattr(remat, "plan", None)):
+        return "remat has no plan() yet"
+    return None
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """Eager's results for one model: what every method is compared with."""
+
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    flops: int
+    prepared: Prepared
+    init_state: dict[str, torch.Tensor]
+
+
+def _restore(case: zoo.ModelCase, init_state: dict[str, torch.Tensor]) -> None:
+    case.model.load_state_dict(init_state)
+    case.model.zero_grad(set_to_none=True)
+    gc.collect()
+
+
+def _register(case: zoo.ModelCase) -> tuple[Any, ...]:
+    return (case.model, case.args, case.kwargs)
+
+
+def _memory(p: Prepared, init_state) -> tuple[int, int, dict, dict]:
+    _restore(p.case, init_state)
+    torch.manual_seed(SEED)
+    tracked = measure_step(p.step, register=_register(p.case))
+    grads = {k: v.grad.detach().clone() for k, v in p.case.model.named_parameters() if v.grad is not None}
+    buffers = {k: v.detach().clone() for k, v in p.case.model.named_buffers()}
+    _restore(p.case, init_state)
+    torch.manual_seed(SEED)
+    profiled = measure_step_profiler(p.step, register=_register(p.case))
+    return tracked.peak_bytes, profiled.peak_bytes, grads, buffers
+
+
+def _flops(p: Prepared, init_state) -> int:
+    _restore(p.case, init_state)
+    torch.manual_seed(SEED)
+    with FlopCounter() as counter:
+        p.step()
+    return counter.total_flops
+
+
+def _timed(p: Prepared) -> float:
+    p.case.model.zero_grad(set_to_none=True)
+    gc.collect()
+    started = time.perf_counter()
+    p.step()
+    return time.perf_counter() - started
+
+
+def _interleaved(p: Prepared, eager: Prepared, repeats: int) -> tuple[float, float, float]:
+    """Median step time of `p`, of eager, and of their per-pair ratio (drift cancels)."""
+    _timed(p), _timed(eager)  # warm up
+    pairs = [(_timed(eager), _timed(p)) for _ in range(repeats)]
+    return (statistics.median(b for _, b in pairs), statistics.median(a for a, _ in pairs),
+            statistics.median(b / a for a, b in pairs))
+
+
+def reference(case: zoo.ModelCase) -> Reference:
+    init_state = copy.deepcopy(case.model.state_dict())
+    prepared = prepare_eager(case)
+    _, _, grads, buffers = _memory(prepared, init_state)
+    return Reference(grads=grads, buffers=buffers, flops=_flops(prepared, init_state), prepared=prepared,
+                     init_state=init_state)
+
+
+def measure(p: Prepared, ref: Reference, *, model: str, method: str, setting: str, repeats: int) -> Row:
+    init_state = ref.init_state
+    peak, profiler_peak, grads, buffers = _memory(p, init_state)
+    same_keys = grads.keys() == ref.grads.keys()
+    diffs = [(grads[k] - g).abs().max().item() for k, g in ref.grads.items() if k in grads]
+    flops = _flops(p, init_state)
+    step_s, eager_s, slowdown = _interleaved(p, ref.prepared, repeats)
+    return Row(
+        model=model, method=method, setting=setting, peak_bytes=peak, profiler_peak_bytes=profiler_peak,
+        predicted_peak_bytes=p.predicted_peak_bytes, flops=flops, extra_flops=flops - ref.flops,
+        step_s=step_s, eager_step_s=eager_s, slowdown=slowdown, plan_s=p.plan_s,
+        grads_equal=same_keys and all(torch.equal(grads[k], g) for k, g in ref.grads.items()),
+        grads_max_abs_diff=max(diffs, default=0.0) if same_keys else float("inf"),
+        buffers_equal=all(torch.equal(buffers[k], b) for k, b in ref.buffers.items()),
+    )
+
+
+def _failed(model: str, method: str, setting: str, error: BaseException) -> Row:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    log.warning("%s %s %s failed: %s: %s", model, method, setting, type(error).__name__, first)
+    return Row(model=model, method=method, setting=setting, note=f"{type(error).__name__}: {first[:160]}")
+
+
+# --- sweeps ------------------------------------------------------------------------------
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MIB:.2f}"
+
+
+def _linspace_bytes(high: int, low: int, points: int) -> list[int]:
+    """`points` budgets from `high` down to `low`, evenly spaced, descending."""
+    if points <= 1 or high <= low:
+        return [high]
+    return sorted({round(high - (high - low) * i / (points - 1)) for i in range(points)}, reverse=True)
+
+
+def torch_rows(name: str, size: str, ref: Reference, budgets, repeats: int) -> list[Row]:
+    rows = []
+    for budget in budgets:
+        setting = f"budget={budget:g}"
+        try:
+            prepared = prepare_torch(zoo.build(name, size=size), budget)
+            rows.append(measure(prepared, ref, model=name, method="torch", setting=setting, repeats=repeats))
+        except Exception as e:  # noqa: BLE001 - a benchmark reports failures and goes on
+            rows.append(_failed(name, "torch", setting, e))
+        log.info("%s", _row_line(rows[-1]))
+    return rows
+
+
+def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repeats: int) -> list[Row]:
+    why = remat_available()
+    if why is not None:
+        log.warning("skipping remat rows: %s", why)
+        return [Row(model=name, method="remat", setting="-", note=f"skipped: {why}")]
+    import remat
+
+    rows = []
+    for solver in solvers:
+        method = f"remat:{solver}"
+        case = zoo.build(name, size=size)
+        try:
+            top = prepare_remat(case, "100%", solver)
+        except Exception as e:  # noqa: BLE001
+            rows.append(_failed(name, method, "100%", e))
+            continue
+        budgets: list[Any] = [None]  # None: the plan at 100% already made
+        if solver not in FIXED_SOLVERS and points > 1:
+            baseline = top.baseline_peak_bytes
+            try:
+                prepare_remat(case, 1, solver)
+                low = 1
+            except remat.InfeasibleBudgetError as e:
+                low = e.min_peak_bytes
+            except Exception as e:  # noqa: BLE001
+                rows.append(_failed(name, method, "smallest", e))
+                low = baseline
+            budgets += _linspace_bytes(baseline, low, points)[1:]
+        for budget in budgets:
+            setting = "100%" if budget is None else f"{budget / MIB:.2f} MiB"
+            try:
+                prepared = top if budget is None else prepare_remat(case, budget, solver)
+                rows.append(measure(prepared, ref, model=name, method=method, setting=setting, repeats=repeats))
+            except remat.InfeasibleBudgetError as e:
+                rows.append(Row(model=name, method=method, setting=setting,
+                                note=f"infeasible for {solver}; smallest reachable {_mib(e.min_peak_bytes)} MiB"))
+            except Exception as e:  # noqa: BLE001
+                rows.append(_failed(name, method, setting, e))
+            log.info("%s", _row_line(rows[-1]))
+    return rows
+
+
+def run_model(name: str, opts: argparse.Namespace) -> list[Row]:
+    log.info("== %s (%s)", name, opts.size)
+    eager_case = zoo.build(name, size=opts.size)
+    ref = reference(eager_case)
+    rows = [measure(ref.prepared, ref, model=name, method="eager", setting="-", repeats=opts.repeats)]
+    log.info("%s", _row_line(rows[-1]))
+    try:
+        prepared = prepare_checkpoint(zoo.build(name, size=opts.size))
+        rows.append(measure(prepared, ref, model=name, method="checkpoint", setting="every block",
+                            repeats=opts.repeats))
+    except Exception as e:  # noqa: BLE001
+        rows.append(_failed(name, "checkpoint", "every block", e))
+    log.info("%s", _row_line(rows[-1]))
+    rows += torch_rows(name, opts.size, ref, opts.torch_budgets, opts.repeats)
+    rows += remat_rows(name, opts.size, ref, opts.solvers, opts.points, opts.repeats)
+    return rows
+
+
+# --- verdicts ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    model: str
+    claim: str
+    holds: bool | None
+    """None: could not be checked (rows missing)."""
+    detail: str
+
+
+def _point(r: Row) -> str:
+    return f"{r.method} {r.setting}: {_mib(r.peak_bytes)} MiB, +{r.extra_flops / 1e9:.3f} GFLOP"
+
+
+def verdicts(rows: list[Row]) -> list[Verdict]:
+    """Check the claims on measured rows: every torch budget point is dominated by a remat
+    point; remat's lowest peak is below torch's budget 0.0 and below per-block
+    checkpointing; and whether torch's peak is monotone in its budget."""
+    out = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model and r.measured]
+        remat_pts = [r for r in mine if r.method.startswith("remat")]
+        torch_pts = sorted((r for r in mine if r.method == "torch"), key=lambda r: -float(r.setting.split("=")[1]))
+        ckpt = next((r for r in mine if r.method == "checkpoint"), None)
+        if not remat_pts:
+            out.append(Verdict(model=model, claim="remat measured", holds=None, detail="no remat rows measured"))
+        for t in torch_pts if remat_pts else ():
+            better = [r for r in remat_pts if r.peak_bytes <= t.peak_bytes and r.extra_flops <= t.extra_flops]
+            if better:
+                best = min(better, key=lambda r: (r.extra_flops, r.peak_bytes))
+                detail = f"{_point(t)}  <=  {_point(best)}"
+            else:
+                under = [r for r in remat_pts if r.peak_bytes <= t.peak_bytes]
+                detail = f"NOT dominated: {_point(t)}; " + (
+                    f"cheapest remat at <= its peak: {_point(min(under, key=lambda r: r.extra_flops))}"
+                    if under else "no remat point reaches its peak")
+            out.append(Verdict(model=model, claim=f"torch {t.setting} dominated", holds=bool(better), detail=detail))
+        if remat_pts:
+            low = min(remat_pts, key=lambda r: r.peak_bytes)
+            zero = next((t for t in torch_pts if float(t.setting.split("=")[1]) == 0.0), None)
+            for label, other in (("torch budget=0", zero), ("checkpoint", ckpt)):
+                if other is None:
+                    out.append(Verdict(model=model, claim=f"remat peak < {label}", holds=None, detail="not measured"))
+                else:
+                    out.append(Verdict(model=model, claim=f"remat peak < {label}",
+                                       holds=low.peak_bytes < other.peak_bytes,
+                                       detail=f"{_point(low)}  vs  {_point(other)}"))
+        failed = [r for r in rows if r.model == model and not r.measured and r.note
+                  and not r.note.startswith(("infeasible", "skipped"))]
+        for method in dict.fromkeys(r.method for r in failed):
+            bad = [r for r in failed if r.method == method]
+            out.append(Verdict(model=model, claim=f"{method} runs", holds=False,
+                               detail=f"failed at {', '.join(r.setting for r in bad)}: {bad[0].note}"))
+        rises = [(a, b) for a, b in zip(torch_pts, torch_pts[1:]) if b.peak_bytes > a.peak_bytes]
+        if torch_pts:
+            detail = "; ".join(f"{a.setting} {_mib(a.peak_bytes)} MiB -> {b.setting} {_mib(b.peak_bytes)} MiB"
+                               for a, b in rises) or "peaks: " + ", ".join(
+                f"{t.setting} {_mib(t.peak_bytes)}" for t in torch_pts)
+            out.append(Verdict(model=model, claim="torch peak monotone in budget", holds=not rises, detail=detail))
+    return out
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+_COLUMNS = ("method", "setting", "peak MiB", "profiler MiB", "predicted MiB", "extra GFLOP", "extra %",
+            "step s", "eager s", "slowdown", "plan s", "grads == eager", "buffers == eager", "note")
+
+
+def _fmt(x: Any, spec: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return format(x, spec)
+
+
+def _cells(r: Row, eager_flops: int | None) -> list[str]:
+    pct = None if r.extra_flops is None or not eager_flops else 100.0 * r.extra_flops / eager_flops
+    grads = _fmt(r.grads_equal)
+    if r.grads_equal is False and r.grads_max_abs_diff is not None:
+        grads += f" ({r.grads_max_abs_diff:.1e})"
+    return [r.method, r.setting, _mib(r.peak_bytes), _mib(r.profiler_peak_bytes), _mib(r.predicted_peak_bytes),
+            _fmt(None if r.extra_flops is None else r.extra_flops / 1e9, ".3f"), _fmt(pct, ".1f"),
+            _fmt(r.step_s, ".3f"), _fmt(r.eager_step_s, ".3f"), _fmt(r.slowdown, ".2f"), _fmt(r.plan_s, ".1f"),
+            grads, _fmt(r.buffers_equal), r.note.replace("|", "/")]
+
+
+def _row_line(r: Row) -> str:
+    """A progress line: method, setting, peak, profiler peak, extra GFLOP, slowdown, note."""
+    c = _cells(r, None)
+    return " | ".join([r.model, *c[:4], c[5], c[9], r.note])
+
+
+def markdown(rows: list[Row]) -> str:
+    eager = next((r for r in rows if r.method == "eager" and r.flops), None)
+    eager_flops = eager.flops if eager else None
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r, eager_flops)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def verdict_table(vs: list[Verdict]) -> str:
+    lines = ["| model | claim | holds | numbers |", "|---|---|---|---|"]
+    lines += [f"| {v.model} | {v.claim} | {_fmt(v.holds) if v.holds is not None else 'unchecked'} | "
+              f"{v.detail.replace('|', '/')} |" for v in vs]
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eager = next((r for r in rows if r.method == "eager" and r.measured), None)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r.method for r in rows):
+        pts = sorted((r for r in rows if r.method == method and r.measured), key=lambda r: r.extra_flops)
+        if not pts:
+            continue
+        xs = [100.0 * r.extra_flops / eager.flops if eager else r.extra_flops / 1e9 for r in pts]
+        ys = [r.peak_bytes / MIB for r in pts]
+        style = "o-" if len(pts) > 1 else "s"
+        ax.plot(xs, ys, style, label=method, alpha=0.85)
+        if method == "torch":
+            for x, y, r in zip(xs, ys, pts):
+                ax.annotate(r.setting.split("=")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("extra FLOPs over eager (% of eager)" if eager else "extra GFLOP")
+    ax.set_ylabel("measured peak (MiB)")
+    ax.set_title(f"{rows[0].model}: peak vs recomputation (lower-left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(rows: list[Row], out: Path, opts: argparse.Namespace) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = [f"# remat vs PyTorch — size `{opts.size}`, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads, {opts.repeats} timing pairs\n"]
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        (out / f"{model}.json").write_text(json.dumps([dataclasses.asdict(r) for r in mine], indent=1))
+        table = markdown(mine)
+        (out / f"{model}.md").write_text(f"# {model}\n\n{table}\n\n![{model}]({model}.png)\n")
+        if any(r.measured for r in mine):
+            plot(mine, out / f"{model}.png")
+        summary.append(f"## {model}\n\n{table}\n")
+    summary.append("## Verdicts\n\n" + verdict_table(verdicts(rows)) + "\n")
+    text = "\n".join(summary)
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated zoo names")
+    parser.add_argument("--size", default="bench", help="zoo size (tiny for a smoke run)")
+    parser.add_argument("--solvers", default=None, help="comma-separated remat solvers (default: all but brute)")
+    parser.add_argument("--torch-budgets", default=",".join(map(str, TORCH_BUDGETS)))
+    parser.add_argument("--points", type=int, default=6, help="remat budgets per solver")
+    parser.add_argument("--repeats", type=int, default=5, help="timed (eager, method) pairs per run, >= 5")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 keeps step times steady on a shared 2-core machine, where "
+                             "OpenMP barriers under oversubscription made eager steps vary 20x (0 = torch's default)")
+    parser.add_argument("--out", default="results/compare")
+    parser.add_argument("--quick", action="store_true", help="gpt2, two budgets, one solver")
+    opts = parser.parse_args(argv)
+    opts.models = tuple(m for m in opts.models.split(",") if m)
+    opts.torch_budgets = tuple(float(b) for b in opts.torch_budgets.split(","))
+    opts.solvers = tuple(opts.solvers.split(",")) if opts.solvers else _default_solvers()
+    if opts.quick:
+        opts.models, opts.torch_budgets, opts.points = ("gpt2",), (1.0, 0.0), 2
+        opts.solvers = tuple(s for s in opts.solvers if s not in FIXED_SOLVERS)[:1]
+    return opts
+
+
+def _default_solvers() -> tuple[str, ...]:
+    try:
+        from solvers import SOLVERS
+    except ImportError:
+        return ("auto",)
+    names = [s for s in SOLVERS if s != "brute"]
+    return tuple(sorted(names, key=lambda s: (s in FIXED_SOLVERS, s != "auto", s)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("torch", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    opts = _parse(argv)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for name in opts.models:
+        rows += run_model(name, opts)
+        write_results(rows, Path(opts.out), opts)  # partial results survive an interrupted run
+    text = write_results(rows, Path(opts.out), opts)
+    print(text)
+    print(f"\nwrote {opts.out}/ in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
