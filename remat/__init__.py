@@ -5,6 +5,7 @@
 """
 
 from remat.api import Planned, plan
+from remat.backend import RematBackend, backend
 from remat.budget import resolve_budget
 from remat.errors import (
     BudgetError,
@@ -19,8 +20,10 @@ __all__ = [
     "BudgetError",
     "InfeasibleBudgetError",
     "Planned",
+    "RematBackend",
     "RematError",
     "TraceError",
+    "backend",
     "UnknownSolverError",
     "UnsupportedGraphError",
     "plan",
