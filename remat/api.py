@@ -48,6 +48,8 @@ class PlannedStep:
     forward: fx.GraphModule
     backward: fx.GraphModule
     timings: PlanTimings
+    library_trace_path: str = ""
+    """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
 
 
 class _Partitioner:
@@ -160,8 +162,8 @@ class Planned(nn.Module):
         partitioner = _Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started)
         try:
-            compiled = compile_joint(flat, signature.tensors(args, kwargs), partitioner)
-        except Exception as e:
+            traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner)
+        except Exception:
             if partitioner.error is not None:
                 raise partitioner.error from None
             raise
@@ -171,7 +173,8 @@ class Planned(nn.Module):
                 "gradients enabled?); call the model under torch.enable_grad() with trainable "
                 "parameters"
             )
-        return partitioner.step, compiled, flat
+        step = dataclasses.replace(partitioner.step, library_trace_path=traced.library_trace_path)
+        return step, traced.compiled, flat
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():

@@ -44,6 +44,12 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
         f"  planning time:   trace {t.trace_s:.2f} s, profile {t.profile_s:.2f} s, "
         f"solve {t.solve_s:.2f} s, rewrite {t.rewrite_s:.2f} s"
     )
+    if step.library_trace_path:
+        lines.append(
+            "  note:            traced with torch.compiler.is_compiling() set, because on its eager "
+            "path branches on tensor values" + step.library_trace_path
+            + "; the library may run an equivalent program that differs from eager in rounding"
+        )
     read_in_backward = {s.node_id for s in ev.steps if s.kind.value != "forward"} | problem.needed_ids
     saved = [i for i, d in plan.decisions.items() if d is Decision.SAVE and i in read_in_backward
              and nodes[i].alias_of is None]

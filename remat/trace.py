@@ -138,30 +138,62 @@ def _identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[...,
     return run
 
 
+_DATA_DEPENDENT = (
+    torch._dynamo.exc.UserError,
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A compiled step and how it was traced."""
+
+    compiled: Callable[..., Any]
+    library_trace_path: str
+    """Empty when the model was traced on its eager code path; otherwise where that path
+    branched on tensor values (' at file:line (source)'), so it was traced with
+    `torch.compiler.is_compiling()` set, in which
+    case libraries may run a different, equivalent program (e.g. transformers builds an
+    explicit causal mask instead of `is_causal=True`), equal to eager up to rounding."""
+
+
 def compile_joint(
     flat_model: FlatModel, tensors: Sequence[torch.Tensor], partition_fn: Partitioner
-) -> Callable[..., Any]:
+) -> Traced:
     """Trace `flat_model` on `tensors` and compile it with `partition_fn` (which AOTAutograd
-    calls once, with the joint graph). Returns the callable of flat tensors."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+    calls once, with the joint graph).
+
+    First on the model's eager code path, so the traced program is the one eager runs;
+    if that path branches on tensor values, again as non-strict `torch.export` does,
+    with `torch.compiler.is_compiling()` true, where libraries take trace-friendly paths."""
+    from torch._export.utils import _compiling_state_context
 
     try:
-        # Trace as non-strict torch.export does: libraries that branch on
-        # torch.compiler.is_compiling() take their trace-friendly paths.
-        from torch._export.utils import _compiling_state_context
+        return Traced(_aot(flat_model, tensors, partition_fn), "")
+    except _DATA_DEPENDENT as eager_error:
+        first = _failure_location(eager_error)
+        log.warning("remat: the model's eager path branches on tensor values%s; tracing again "
+                    "with torch.compiler.is_compiling() set, as torch.export does", first)
+        try:
+            with _compiling_state_context():
+                return Traced(_aot(flat_model, tensors, partition_fn), first)
+        except _DATA_DEPENDENT as e:
+            raise TraceError(_trace_failure_message(e)) from e
 
-        with _record_module_locations(flat_model.model), _compiling_state_context():
-            return aot_module_simplified(
-                flat_model,
-                list(tensors),
-                fw_compiler=_identity_compiler,
-                bw_compiler=_identity_compiler,
-                partition_fn=partition_fn,
-            )
-    except (torch._dynamo.exc.UserError, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
-            torch._subclasses.fake_tensor.DynamicOutputShapeException,
-            torch._subclasses.fake_tensor.DataDependentOutputException) as e:
-        raise TraceError(_trace_failure_message(e)) from e
+
+def _aot(flat_model: FlatModel, tensors: Sequence[torch.Tensor], partition_fn: Partitioner):
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    with _record_module_locations(flat_model.model):
+        return aot_module_simplified(
+            flat_model,
+            list(tensors),
+            fw_compiler=_identity_compiler,
+            bw_compiler=_identity_compiler,
+            partition_fn=partition_fn,
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,15 +241,20 @@ def _record_module_locations(model: nn.Module):
             h2.remove()
 
 
-def _trace_failure_message(error: BaseException) -> str:
-    """Name the user source line torch was at when tracing failed."""
+def _failure_location(error: BaseException) -> str:
+    """' at file:line (source)' of the innermost non-torch frame, or ''."""
     import traceback
 
     frames = [
         f for f in traceback.extract_tb(error.__traceback__)
         if "/torch/" not in f.filename and "/remat/" not in f.filename
     ]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+
+
+def _trace_failure_message(error: BaseException) -> str:
+    """Name the user source line torch was at when tracing failed."""
+    where = _failure_location(error)
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (
         f"could not trace the model into a joint graph{where}: {type(error).__name__}: {first}. "

@@ -108,44 +108,46 @@ class CNN(nn.Module):
 
 
 # --- sizes -----------------------------------------------------------------------------
-# Each entry: (model hyper-parameters, batch, sequence length or image side).
+# Each entry: (model hyper-parameters, batch, sequence length or image side). "tiny"
+# batches are large enough that activations, not parameters, dominate the peak, so
+# that 50% of the no-remat peak is reachable and the tests exercise recomputation.
 
 _SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "mlp": {
-        "tiny": dict(width=64, depth=4, classes=10, batch=16),
+        "tiny": dict(width=64, depth=4, classes=10, batch=512),
         "bench": dict(width=1024, depth=8, classes=100, batch=256),
     },
     "cnn": {
-        "tiny": dict(channels=(8, 16, 16), classes=10, batch=4, image=16),
+        "tiny": dict(channels=(8, 16, 16), classes=10, batch=16, image=16),
         "bench": dict(channels=(32, 64, 64, 128), classes=100, batch=16, image=32),
     },
     "gpt2": {
-        "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, batch=2, seq=32),
+        "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, batch=8, seq=64),
         "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=8, seq=256),
         # Half of "small" (batch 4), so that `bench/compare.py --quick` stays under 2 minutes.
         "bench": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=4, seq=256),
     },
     "llama": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128, batch=2, seq=32),
+                     num_key_value_heads=2, vocab_size=128, batch=8, seq=64),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=1024, batch=8, seq=256),
     },
     "bert": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                     vocab_size=128, batch=2, seq=32),
+                     vocab_size=128, batch=8, seq=64),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                       vocab_size=1024, batch=8, seq=256),
     },
     "vit": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                     patch_size=4, num_labels=10, batch=2, image=16),
+                     patch_size=4, num_labels=10, batch=16, image=16),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                       patch_size=8, num_labels=100, batch=8, image=128),
     },
     "resnet": {
         "tiny": dict(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=10,
-                     batch=2, image=32),
+                     batch=16, image=32),
         # ResNet-18 layout (basic layers, depths 2-2-2-2, 64..512 channels).
         "bench": dict(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
                       num_labels=100, batch=16, image=64),
