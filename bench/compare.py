@@ -73,6 +73,8 @@ class Row:
     plan_s: float | None = None
     grads_equal: bool | None = None
     grads_max_abs_diff: float | None = None
+    grads_equal_traced_path: bool | None = None
+    """Gradients equal those of eager run on the code path transformers takes when traced."""
     buffers_equal: bool | None = None
     note: str = ""
 
@@ -121,15 +123,23 @@ def prepare_checkpoint(case: zoo.ModelCase) -> Prepared:
 
 @contextlib.contextmanager
 def traceable_transformers():
-    """Tell transformers it is being compiled while AOTAutograd traces (as non-strict
-    ``torch.export`` does), so it skips its data-dependent mask shortcuts: under
-    functionalization its FakeTensor check misses and ``.all()`` on a fake tensor fails."""
+    """``torch.compiler.is_compiling()`` true, as non-strict ``torch.export`` traces: then
+    transformers skips its data-dependent mask shortcuts (under functionalization its
+    FakeTensor check misses and ``.all()`` on a fake tensor fails) and builds an explicit
+    causal mask instead of ``is_causal=True`` -- equal to eager up to rounding."""
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = previous
+
+
+_DATA_DEPENDENT = (
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
 
 
 def _boxed_eager(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[[list[Any]], Any]:
@@ -168,10 +178,17 @@ def prepare_torch(case: zoo.ModelCase, budget: float) -> Prepared:
 
     wrapper = _LossOnly(case.model, tuple(case.kwargs))
     inputs = [*case.args, *case.kwargs.values()]
+    def compile_() -> Callable[..., Any]:
+        return aot_module_simplified(wrapper, inputs, fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
+                                     partition_fn=min_cut_rematerialization_partition)
+
     started = time.perf_counter()
-    with functorch_config.patch(activation_memory_budget=budget), traceable_transformers():
-        compiled = aot_module_simplified(wrapper, inputs, fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
-                                         partition_fn=min_cut_rematerialization_partition)
+    with functorch_config.patch(activation_memory_budget=budget):
+        try:  # the model's eager code path first, as remat.plan does
+            compiled = compile_()
+        except _DATA_DEPENDENT:
+            with traceable_transformers():
+                compiled = compile_()
     plan_s = time.perf_counter() - started
 
     def step() -> None:
@@ -184,8 +201,7 @@ def prepare_remat(case: zoo.ModelCase, budget: int | str, solver: str) -> Prepar
     import remat
 
     started = time.perf_counter()
-    with traceable_transformers():
-        planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver)
+    planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver)
     plan_s = time.perf_counter() - started
     return Prepared(case=case, step=_loss_step(planned, case), plan_s=plan_s,
                     predicted_peak_bytes=planned.predicted_peak_bytes,
@@ -211,6 +227,9 @@ class Reference:
     """Eager's results for one model: what every method is compared with."""
 
     grads: dict[str, torch.Tensor]
+    traced_path_grads: dict[str, torch.Tensor]
+    """Eager gradients with transformers on its tracing code path (see traceable_transformers):
+    what a traced method computes without rematerializing anything."""
     buffers: dict[str, torch.Tensor]
     flops: int
     prepared: Prepared
@@ -227,11 +246,19 @@ def _register(case: zoo.ModelCase) -> tuple[Any, ...]:
     return (case.model, case.args, case.kwargs)
 
 
+def _grads(case: zoo.ModelCase) -> dict[str, torch.Tensor]:
+    return {k: v.grad.detach().clone() for k, v in case.model.named_parameters() if v.grad is not None}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _memory(p: Prepared, init_state) -> tuple[int, int, dict, dict]:
     _restore(p.case, init_state)
     torch.manual_seed(SEED)
     tracked = measure_step(p.step, register=_register(p.case))
-    grads = {k: v.grad.detach().clone() for k, v in p.case.model.named_parameters() if v.grad is not None}
+    grads = _grads(p.case)
     buffers = {k: v.detach().clone() for k, v in p.case.model.named_buffers()}
     _restore(p.case, init_state)
     torch.manual_seed(SEED)
@@ -267,14 +294,18 @@ def reference(case: zoo.ModelCase) -> Reference:
     init_state = copy.deepcopy(case.model.state_dict())
     prepared = prepare_eager(case)
     _, _, grads, buffers = _memory(prepared, init_state)
-    return Reference(grads=grads, buffers=buffers, flops=_flops(prepared, init_state), prepared=prepared,
-                     init_state=init_state)
+    _restore(case, init_state)
+    torch.manual_seed(SEED)
+    with traceable_transformers():
+        prepared.step()
+    traced_path_grads = _grads(case)
+    return Reference(grads=grads, traced_path_grads=traced_path_grads, buffers=buffers,
+                     flops=_flops(prepared, init_state), prepared=prepared, init_state=init_state)
 
 
 def measure(p: Prepared, ref: Reference, *, model: str, method: str, setting: str, repeats: int) -> Row:
     init_state = ref.init_state
     peak, profiler_peak, grads, buffers = _memory(p, init_state)
-    same_keys = grads.keys() == ref.grads.keys()
     diffs = [(grads[k] - g).abs().max().item() for k, g in ref.grads.items() if k in grads]
     flops = _flops(p, init_state)
     step_s, eager_s, slowdown = _interleaved(p, ref.prepared, repeats)
@@ -282,8 +313,8 @@ def measure(p: Prepared, ref: Reference, *, model: str, method: str, setting: st
         model=model, method=method, setting=setting, peak_bytes=peak, profiler_peak_bytes=profiler_peak,
         predicted_peak_bytes=p.predicted_peak_bytes, flops=flops, extra_flops=flops - ref.flops,
         step_s=step_s, eager_step_s=eager_s, slowdown=slowdown, plan_s=p.plan_s,
-        grads_equal=same_keys and all(torch.equal(grads[k], g) for k, g in ref.grads.items()),
-        grads_max_abs_diff=max(diffs, default=0.0) if same_keys else float("inf"),
+        grads_equal=_equal(grads, ref.grads), grads_equal_traced_path=_equal(grads, ref.traced_path_grads),
+        grads_max_abs_diff=max(diffs, default=0.0) if grads.keys() == ref.grads.keys() else float("inf"),
         buffers_equal=all(torch.equal(buffers[k], b) for k, b in ref.buffers.items()),
     )
 
@@ -465,6 +496,8 @@ def _cells(r: Row, eager_flops: int | None) -> list[str]:
     grads = _fmt(r.grads_equal)
     if r.grads_equal is False and r.grads_max_abs_diff is not None:
         grads += f" ({r.grads_max_abs_diff:.1e})"
+        if r.grads_equal_traced_path:
+            grads += "; = traced-path eager"
     return [r.method, r.setting, _mib(r.peak_bytes), _mib(r.profiler_peak_bytes), _mib(r.predicted_peak_bytes),
             _fmt(None if r.extra_flops is None else r.extra_flops / 1e9, ".3f"), _fmt(pct, ".1f"),
             _fmt(r.step_s, ".3f"), _fmt(r.eager_step_s, ".3f"), _fmt(r.slowdown, ".2f"), _fmt(r.plan_s, ".1f"),
@@ -501,7 +534,7 @@ def plot(rows: list[Row], path: Path) -> None:
     eager = next((r for r in rows if r.method == "eager" and r.measured), None)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method in dict.fromkeys(r.method for r in rows):
-        pts = sorted((r for r in rows if r.method == method and r.measured), key=lambda r: r.extra_flops)
+        pts = [r for r in rows if r.method == method and r.measured]  # in budget order
         if not pts:
             continue
         xs = [100.0 * r.extra_flops / eager.flops if eager else r.extra_flops / 1e9 for r in pts]
