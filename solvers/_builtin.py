@@ -20,6 +20,11 @@ register(SolverSpec(name="chen-greedy", run=solve_chen_greedy, options_type=Opti
 register(SolverSpec(name="brute", run=solve_brute, options_type=Options, exact=True,
                     summary="exhaustive oracle for small problems (<= 18 decision values)"))
 
+from solvers.greedy import solve_greedy  # noqa: E402
+
+register(SolverSpec(name="greedy", run=solve_greedy, options_type=Options, exact=False,
+                    summary="recompute the cheapest bytes first (out_bytes / compute_s), then trim"))
+
 # --- exact solvers and auto (dp, ilp, auto) ---
 from solvers.dp import DPOptions, solve_dp  # noqa: E402
 
