@@ -36,6 +36,9 @@ from solvers.simulate import evaluate
 
 log = logging.getLogger(__name__)
 
+BEAM_WIDTH = 16
+"""Entries per outcome key in the beam search that finds the first upper bound."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOptions(Options):
@@ -54,7 +57,7 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
     limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
     seq = analyze(problem)
     tables = block_tables(problem, seq, limit)
-    found = fronts.run(tables, seq.initial_bytes, problem.budget_bytes, min_peak=False)
+    found = _cheapest(tables, seq.initial_bytes, problem.budget_bytes)
     feasible = found is not None
     if not feasible:
         # Nothing fits: the least peak, then the cheapest plan at that peak.
@@ -75,6 +78,24 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
                   lower_bound_s=min(cost, ev.cost_s) if optimal else None)
 
 
+def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
+    """fronts.run with bounding: a beam search gives a plan (an upper bound), then the
+    exact run drops every partial plan whose cost plus its completion bound exceeds it."""
+    bounds = fronts.completion_bounds(tables, budget)
+    if float(bounds.after[0][(None, False)][0]) == math.inf:
+        return None
+    lower = float(bounds.after[0][(None, False)][0])
+    upper = math.inf
+    for beam in (BEAM_WIDTH, 4 * BEAM_WIDTH):
+        guess = fronts.run(tables, initial_bytes, budget, min_peak=False, bounds=bounds, beam=beam)
+        if guess is not None:
+            if guess[1] <= lower * (1 + 1e-12):  # the bound proves the guess optimal
+                return guess
+            upper = guess[1]
+            break
+    return fronts.run(tables, initial_bytes, budget, min_peak=False, bounds=bounds, threshold=upper)
+
+
 # ---- per-block tables ----
 
 
@@ -87,7 +108,7 @@ def block_tables(problem: Problem, seq: BlockSequence, limit: int) -> list[tuple
         rel, offsets = _relative(block)
         sig = _signature(problem, rel)
         if sig not in cache:
-            cache[sig] = _table(problem, rel, limit)
+            cache[sig] = fronts.compile_table(_table(problem, rel, limit))
         out.append((cache[sig], offsets))
     return out
 

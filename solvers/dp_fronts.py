@@ -1,17 +1,18 @@
 """The forward pass of `dp` over blocks: exact Pareto fronts, vectorized with numpy.
 
 After block b a partial plan is summarized by its outcome key (decision of a_b, "the
-suffix brings a_b back"), the cascade summary (P, N, NR) of a dropped a_b, the bytes K
-it keeps alive for the later blocks, its cost and its peak so far. Partial plans with
-the same key and summary form a group; within a group only (K, cost) matter to the
-future (or (K, peak) when minimizing the peak), so each group keeps its 2-D Pareto
-front, sorted by K. A block's option then fits exactly the entries with
-K <= budget - (its local peak for that group's summary): a prefix of the group.
+suffix brings a_b back") and the vector (cost, K, P, N, NR, peak): its cost, the bytes K
+it keeps alive for the later blocks, the cascade summary (P, N, NR) of a dropped a_b,
+and its peak so far. The future depends on (K, P, N, NR) only, monotonically, so per
+key only the entries not dominated in (cost, K, P, N, NR) are kept ((peak, K, P, N, NR)
+when minimizing the peak). All byte quantities are integers below 2**53 and are held
+exactly in float64 (P may be -inf: no cascade step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,10 @@ from solvers.problem import Decision
 
 DROPPED = (Decision.RECOMPUTE, Decision.OFFLOAD)
 _NO_CASCADE = (NEG, 0, 0)
+_CHUNK = 512
+
+# Columns of a front.
+COST, K, P, N, NR, PEAK = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +41,9 @@ class Option:
 
 
 @dataclasses.dataclass
-class _Group:
-    k: np.ndarray
-    cost: np.ndarray
-    peak: np.ndarray
+class _Front:
+    x: np.ndarray
+    """(n, 6) float64 rows (COST, K, P, N, NR, PEAK)."""
     ids: np.ndarray
 
 
@@ -51,7 +55,7 @@ class _Layer:
 
 
 def next_summary(loc: Local, p: float, n: int, nr: int) -> tuple[float, int, int]:
-    """The cascade summary after a block, given the incoming one."""
+    """The cascade summary after a block, given the incoming one (scalar form)."""
     c = loc.cascade
     if c is None:
         return _NO_CASCADE
@@ -64,86 +68,274 @@ def local_peak(loc: Local, offsets: tuple[int, int], p: float, n: int, nr: int) 
     return max(loc.peak_forward + offsets[0], loc.peak_backward.at(p, n, nr) + offsets[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Menu:
+    """The options of one block in one context, as columns (numpy arrays)."""
+
+    options: tuple[Option, ...]
+    keys: tuple[tuple, ...]
+    """Outcome keys; `key` indexes them."""
+    key: np.ndarray
+    cost: np.ndarray
+    keep: np.ndarray
+    forward: np.ndarray
+    backward: np.ndarray
+    """(n, 4): the (c, p, n, nr) terms of the backward peak."""
+    cascade: np.ndarray
+    """(n, 4): the (c, p, n, nr) terms of the outgoing cascade (all -inf: none)."""
+    has_cascade: np.ndarray
+    net: np.ndarray
+    nested: np.ndarray
+    freed: np.ndarray
+
+
+def compile_table(table: dict[tuple, list[Option]]) -> dict[tuple, Menu]:
+    """Each context's options as a Menu."""
+    out = {}
+    for context, opts in table.items():
+        keys = tuple(dict.fromkeys(_key(o) for o in opts))
+        locs = [o.local for o in opts]
+        none = (NEG, NEG, NEG, NEG)
+
+        def terms(t):
+            return none if t is None else (t.c, t.p, t.n, t.nr)
+
+        out[context] = Menu(
+            options=tuple(opts),
+            keys=keys,
+            key=np.array([keys.index(_key(o)) for o in opts], np.int64),
+            cost=np.array([x.cost_s for x in locs]),
+            keep=np.array([x.keep_bytes for x in locs], float),
+            forward=np.array([x.peak_forward for x in locs], float),
+            backward=np.array([terms(x.peak_backward) for x in locs], float).reshape(-1, 4),
+            cascade=np.array([terms(x.cascade) for x in locs], float).reshape(-1, 4),
+            has_cascade=np.array([x.cascade is not None for x in locs]),
+            net=np.array([x.cascade_net for x in locs], float),
+            nested=np.array([x.cascade_nested for x in locs]),
+            freed=np.array([x.cascade_freed for x in locs], float),
+        )
+    return out
+
+
+def _max_plus(terms: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(options, entries): max(c, p + P, n + N, nr + NR) for every pair."""
+    out = np.maximum(terms[:, 0:1], terms[:, 1:2] + x[None, :, P])
+    np.maximum(out, terms[:, 2:3] + x[None, :, N], out=out)
+    np.maximum(out, terms[:, 3:4] + x[None, :, NR], out=out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """Lower bounds on the cost of finishing the plan: after[b + 1][key][j] bounds the
+    cost of blocks b+1.. for a partial plan through block b with outcome `key` that
+    keeps K >= j * quantum; after[0][(None, False)][0] bounds the whole plan."""
+
+    quantum: int
+    after: list[dict[tuple, np.ndarray]]
+
+    def at(self, b: int, key: tuple, k: np.ndarray) -> np.ndarray:
+        table = self.after[b + 1].get(key)
+        if table is None:
+            return np.full(len(k), np.inf)
+        return table[np.minimum(k // self.quantum, len(table) - 1).astype(np.int64)]
+
+
+def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]], budget: int,
+                      grid: int = 4096, max_grid: int = 1 << 16) -> Bounds:
+    """A backward DP over a relaxation: the cascade terms of each local peak dropped
+    (each only makes a peak smaller or equal) and K on a grid. The grid step is the gcd
+    of all kept bytes when that gives at most `max_grid` points (then K is exact: every
+    K is a multiple of it), else budget / `grid` with K rounded down (looser)."""
+    step = 0
+    for table, _ in tables:
+        for menu in table.values():
+            for keep in np.unique(menu.keep):
+                step = math.gcd(step, int(keep))
+    quantum = step if step and budget // step + 2 <= max_grid else max(1, budget // grid)
+    size = budget // quantum + 2
+    j = np.arange(size, dtype=np.int64)
+    bound: dict[tuple, np.ndarray] = {k: np.zeros(size) for m in tables[-1][0].values() for k in m.keys}
+    after = [bound]
+    for table, (off_f, off_g) in reversed(tables):
+        new: dict[tuple, np.ndarray] = {}
+        for (mode_prev, touched), menu in table.items():
+            peak = np.maximum(menu.forward + off_f, menu.backward[:, 0] + off_g)
+            cap = np.floor((budget - peak) / quantum)  # j <= cap fits
+            best = np.full(size, np.inf)
+            for index, key in enumerate(menu.keys):
+                nxt = bound.get(key)
+                sel = menu.key == index
+                if nxt is None or not sel.any():
+                    continue
+                shift = (menu.keep[sel] // quantum).astype(np.int64)
+                value = menu.cost[sel, None] + nxt[np.minimum(j[None, :] + shift[:, None], size - 1)]
+                value[j[None, :] > cap[sel, None]] = np.inf
+                np.minimum(best, value.min(axis=0), out=best)
+            key_in = (mode_prev, touched)
+            new[key_in] = np.minimum(new[key_in], best) if key_in in new else best
+        bound = new
+        after.append(bound)
+    after.reverse()  # after[0]: before block 0; after[b + 1]: after block b
+    return Bounds(quantum, after)
+
+
+def _key(opt: Option) -> tuple:
+    return (opt.mode, opt.delta if opt.mode in DROPPED else False)
+
+
 def run(
-    tables: Sequence[tuple[dict, tuple[int, int]]], initial_bytes: int, budget: int, *, min_peak: bool
+    tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]], initial_bytes: int, budget: int, *,
+    min_peak: bool, bounds: Bounds | None = None, threshold: float = np.inf, beam: int = 0,
 ) -> tuple[list[tuple[Decision, ...]], float, int] | None:
     """(configurations, one per block; cost; peak) of the cheapest plan whose peak fits
-    `budget` (min_peak: of the least peak, budget ignored); None if nothing fits."""
-    start = _Group(np.zeros(1, np.int64), np.zeros(1), np.array([initial_bytes], np.int64), np.zeros(1, np.int64))
-    fronts: dict[tuple, dict[tuple, _Group]] = {(None, False): {_NO_CASCADE: start}}
+    `budget` (min_peak: of the least peak, budget ignored); None if nothing fits.
+    With `bounds`, partial plans whose cost plus the bound exceeds `threshold` are
+    dropped: the answer is then exact if its cost is <= threshold, and None means
+    no plan costs <= threshold. `beam` > 0 (with bounds) keeps only that many entries
+    per key, the most promising by cost plus bound: a heuristic, for an upper bound."""
+    start = np.array([[0.0, 0.0, NEG, 0.0, 0.0, float(initial_bytes)]])
+    fronts = {(None, False): _Front(start, np.zeros(1, np.int64))}
     layers: list[_Layer] = []
-    for table, offsets in tables:
-        buckets: dict[tuple, list[tuple]] = {}
+    limit = threshold * (1 + 1e-9) + 1e-300
+    for b, (table, offsets) in enumerate(tables):
+        parts: dict[tuple, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         options: list[Option] = []
-        for (mode_prev, delta_prev), groups in fronts.items():
-            touched = delta_prev if mode_prev in DROPPED else False
-            for opt in table.get((mode_prev, touched), ()):
-                index = len(options)
-                options.append(opt)
-                key = (opt.mode, opt.delta if opt.mode in DROPPED else False)
-                for summary, group in groups.items():
-                    _extend(group, summary, opt, index, offsets, budget, min_peak, key, buckets)
-        fronts, layer = _prune(buckets, options, min_peak)
+        for (mode_prev, delta_prev), front in fronts.items():
+            menu = table.get((mode_prev, delta_prev if mode_prev in DROPPED else False))
+            if menu is None:
+                continue
+            rows, parent, option, key = _extend(front, menu, offsets, budget, min_peak)
+            for index, out_key in enumerate(menu.keys):
+                sel = key == index
+                if bounds is not None:
+                    sel &= rows[:, COST] + bounds.at(b, out_key, rows[:, K]) <= limit
+                if sel.any():
+                    parts.setdefault(out_key, []).append((rows[sel], parent[sel], option[sel] + len(options)))
+            options.extend(menu.options)
+        score = None if not (beam and bounds) else (lambda key, x, b=b: x[:, COST] + bounds.at(b, key, x[:, K]))
+        fronts, layer = _prune(parts, options, min_peak, beam, score)
         if not fronts:
             return None
         layers.append(layer)
     return _backtrack(fronts, layers, min_peak)
 
 
-def _extend(group: _Group, summary: tuple, opt: Option, index: int, offsets: tuple[int, int],
-            budget: int, min_peak: bool, key: tuple, buckets: dict) -> None:
-    loc = opt.local
-    peak_local = local_peak(loc, offsets, *summary)
-    if min_peak:
-        m = len(group.k)
-    else:
-        m = int(np.searchsorted(group.k, budget - peak_local, side="right"))
-        if m == 0:
-            return
-    k = group.k[:m]
-    peak = np.maximum(group.peak[:m], k + int(peak_local)) if peak_local > NEG else group.peak[:m]
-    part = (k + loc.keep_bytes, group.cost[:m] + loc.cost_s, peak, group.ids[:m], index)
-    buckets.setdefault((key, next_summary(loc, *summary)), []).append(part)
+def _extend(front: _Front, menu: Menu, offsets: tuple[int, int], budget: int,
+            min_peak: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (option, entry) pair that fits: new rows, parent ids, option and key indices."""
+    x = front.x
+    n_opt, n = len(menu.cost), len(x)
+    local = np.maximum(_max_plus(menu.backward, x) + offsets[1], menu.forward[:, None] + offsets[0])
+    peak = np.maximum(x[None, :, PEAK], x[None, :, K] + local)
+    fits = np.ones((n_opt, n), bool) if min_peak else peak <= budget
+    o, e = np.nonzero(fits)
+    xe = x[e]
+    rows = np.empty((len(o), 6))
+    rows[:, COST] = xe[:, COST] + menu.cost[o]
+    rows[:, K] = xe[:, K] + menu.keep[o]
+    rows[:, PEAK] = peak[o, e]
+    casc = menu.has_cascade[o]
+    c = menu.cascade[o]
+    p = np.maximum(np.maximum(c[:, 0], c[:, 1] + xe[:, P]), np.maximum(c[:, 2] + xe[:, N], c[:, 3] + xe[:, NR]))
+    n_out = menu.net[o] + np.where(menu.nested[o], xe[:, NR], 0.0)
+    rows[:, P] = np.where(casc, p, NEG)
+    rows[:, N] = np.where(casc, n_out, 0.0)
+    rows[:, NR] = np.where(casc, n_out - menu.freed[o], 0.0)
+    return rows, front.ids[e], o.astype(np.int64), menu.key[o]
 
 
-def _prune(buckets: dict, options: list[Option], min_peak: bool) -> tuple[dict, _Layer]:
-    fronts: dict[tuple, dict[tuple, _Group]] = {}
+def _prune(parts: dict, options: list[Option], min_peak: bool, beam: int = 0,
+           score=None) -> tuple[dict, _Layer]:
+    fronts: dict[tuple, _Front] = {}
     parents, chosen = [], []
     total = 0
-    for (key, summary), parts in buckets.items():
-        k = np.concatenate([p[0] for p in parts])
-        cost = np.concatenate([p[1] for p in parts])
-        peak = np.concatenate([p[2] for p in parts])
-        parent = np.concatenate([p[3] for p in parts])
-        option = np.concatenate([np.full(len(p[0]), p[4], np.int64) for p in parts])
-        if min_peak:
-            order = np.lexsort((cost, peak, k))
-            second = peak[order]
-        else:
-            order = np.lexsort((peak, cost, k))
-            second = cost[order]
-        best = np.minimum.accumulate(second)
-        keep = np.ones(len(order), bool)
-        keep[1:] = second[1:] < best[:-1]
-        idx = order[keep]
+    dims = [PEAK, K, P, N, NR, COST] if min_peak else [COST, K, P, N, NR]
+    for key, pieces in parts.items():
+        x = np.concatenate([p[0] for p in pieces])
+        parent = np.concatenate([p[1] for p in pieces])
+        option = np.concatenate([p[2] for p in pieces])
+        idx = pareto(x[:, dims[:5]], x[:, dims])
+        if score is not None and len(idx) > beam:
+            idx = idx[np.argsort(score(key, x[idx]), kind="stable")[:beam]]
         ids = np.arange(total, total + len(idx), dtype=np.int64)
         total += len(idx)
         parents.append(parent[idx])
         chosen.append(option[idx])
-        fronts.setdefault(key, {})[summary] = _Group(k[idx], cost[idx], peak[idx], ids)
+        fronts[key] = _Front(x[idx], ids)
     if not parents:
         return {}, _Layer(np.zeros(0, np.int64), np.zeros(0, np.int64), options)
     return fronts, _Layer(np.concatenate(parents), np.concatenate(chosen), options)
 
 
+def pareto(x: np.ndarray, order_by: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the rows of `x` no other row weakly dominates (all columns <=); of
+    equal rows the first in lexicographic order of `order_by` (whose first columns are
+    those of `x`) is kept."""
+    order_by = x if order_by is None else order_by
+    lo, hi = x.min(axis=0), x.max(axis=0)
+    varying = [c for c in range(x.shape[1]) if lo[c] != hi[c]]
+    if len(varying) <= 2:
+        return _pareto_2d(x[:, varying], order_by)
+    # A 2-D sweep within each group of rows equal outside the first two varying
+    # columns (cheap, removes most rows), then the full test on the survivors.
+    head, rest = varying[:2], varying[2:]
+    keys = tuple(order_by[:, c] for c in reversed(range(order_by.shape[1])))
+    order = np.lexsort(keys + tuple(x[:, c] for c in reversed(rest)))
+    xs = x[order]
+    new_group = np.ones(len(xs), bool)
+    new_group[1:] = (xs[1:, rest] != xs[:-1, rest]).any(axis=1)
+    _, rank = np.unique(xs[:, head[1]], return_inverse=True)
+    # Offsetting each group below all earlier ones makes one running minimum per group.
+    adjusted = rank.astype(np.int64) - np.cumsum(new_group) * (len(xs) + 1)
+    best = np.minimum.accumulate(adjusted)
+    keep = np.ones(len(xs), bool)
+    keep[1:] = adjusted[1:] < best[:-1]
+    survivors = order[keep]
+    return survivors[_pareto_nd(x[survivors], order_by[survivors])]
+
+
+def _pareto_2d(x: np.ndarray, order_by: np.ndarray) -> np.ndarray:
+    order = np.lexsort(order_by.T[::-1])
+    if x.shape[1] == 0:
+        return order[:1]
+    if x.shape[1] == 1:
+        return order[x[order, 0] == x[:, 0].min()][:1]
+    a = x[order]
+    # Rows come by increasing first column (ties: by order_by); keep strict improvements.
+    best = np.minimum.accumulate(a[:, 1])
+    keep = np.ones(len(a), bool)
+    keep[1:] = a[1:, 1] < best[:-1]
+    return order[keep]
+
+
+def _pareto_nd(x: np.ndarray, order_by: np.ndarray) -> np.ndarray:
+    order = np.lexsort(order_by.T[::-1])
+    xs = x[order]
+    kept = np.empty((0, x.shape[1]))
+    kept_idx = []
+    for lo in range(0, len(xs), _CHUNK):
+        chunk = xs[lo:lo + _CHUNK]
+        alive = np.arange(len(chunk))
+        if len(kept):
+            dominated = (kept[None, :, :] <= chunk[:, None, :]).all(-1).any(-1)
+            alive = alive[~dominated]
+        sub = chunk[alive]
+        # Only an earlier row (lexicographically smaller) can weakly dominate a later one.
+        mutual = np.tril((sub[None, :, :] <= sub[:, None, :]).all(-1), -1).any(-1)
+        alive = alive[~mutual]
+        kept = np.concatenate([kept, chunk[alive]])
+        kept_idx.append(order[lo + alive])
+    return np.concatenate(kept_idx) if kept_idx else np.zeros(0, np.int64)
+
+
 def _backtrack(fronts: dict, layers: list[_Layer], min_peak: bool) -> tuple[list[tuple[Decision, ...]], float, int]:
     best = None
-    for groups in fronts.values():
-        for g in groups.values():
-            rank = (np.lexsort((g.cost, g.peak)) if min_peak else np.lexsort((g.peak, g.cost)))[0]
-            score = (g.peak[rank], g.cost[rank]) if min_peak else (g.cost[rank], g.peak[rank])
+    for front in fronts.values():
+        for row, entry in zip(front.x, front.ids):
+            score = (row[PEAK], row[COST]) if min_peak else (row[COST], row[PEAK])
             if best is None or score < best[0]:
-                best = (score, int(g.ids[rank]), float(g.cost[rank]), int(g.peak[rank]))
+                best = (score, int(entry), float(row[COST]), int(row[PEAK]))
     _, entry, cost, peak = best
     configs = []
     for layer in reversed(layers):
