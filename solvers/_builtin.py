@@ -30,3 +30,7 @@ from solvers.dp import DPOptions, solve_dp  # noqa: E402
 
 register(SolverSpec(name="dp", run=solve_dp, options_type=DPOptions, exact=True,
                     summary="exact DP over chains and block sequences (articulation points)"))
+from solvers.auto import AutoOptions, solve_auto  # noqa: E402
+
+register(SolverSpec(name="auto", run=solve_auto, options_type=AutoOptions, exact=True,
+                    summary="brute if tiny, dp if a block sequence, else ilp (see solvers/auto.py)"))

@@ -1,0 +1,65 @@
+"""`auto`: pick a solver by the problem's size and structure (the one place that decides).
+
+The choice, in order:
+  1. no decision values, or at most `brute_max` of them: `brute` (exhaustive, exact, a
+     few milliseconds);
+  2. a chain or a sequence of blocks (dp_structure.analyze succeeds) whose blocks are
+     small enough: `dp` (exact, seconds even at 10,000 nodes);
+  3. otherwise `ilp` under `time_limit_s` (default 10 s): OPTIMAL, or FEASIBLE with a
+     lower bound; it is warm-started from the best heuristic plan, so it is never worse
+     than `chen-greedy`;
+  4. if `ilp` is not available (OR-Tools missing) or raises UnsupportedProblem:
+     `chen-greedy`.
+A solver that raises UnsupportedProblem hands over to the next one. The returned plan
+keeps the chosen solver's status and bound but is labelled "auto".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from solvers.base import Options
+from solvers.problem import Plan, Problem
+from solvers.registry import SOLVERS, UnsupportedProblem, make_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoOptions(Options):
+    """Options of `auto`; time_limit_s, seed and workers are passed on to the chosen
+    solver (time_limit_s defaults to `default_time_limit_s` for `ilp`)."""
+
+    brute_max: int = 12
+    """Largest number of decision values solved by exhaustive enumeration."""
+    default_time_limit_s: float = 10.0
+    """Time limit given to `ilp` when time_limit_s is None."""
+
+
+def choose(problem: Problem, options: AutoOptions) -> list[str]:
+    """The solvers `auto` tries, in order."""
+    order = []
+    if len(problem.decision_ids) <= options.brute_max:
+        order.append("brute")
+    order += ["dp", "ilp", "chen-greedy"]
+    return [name for name in order if name in SOLVERS]
+
+
+def solve_auto(problem: Problem, options: Options) -> Plan:
+    started = time.perf_counter()
+    opts = options if isinstance(options, AutoOptions) else AutoOptions(
+        time_limit_s=options.time_limit_s, seed=options.seed, workers=options.workers)
+    for name in choose(problem, opts):
+        limit = opts.time_limit_s
+        if limit is None and name == "ilp":
+            limit = opts.default_time_limit_s
+        passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
+        try:
+            plan = SOLVERS[name].run(problem, make_options(name, **passed))
+        except UnsupportedProblem as error:
+            log.info("auto: %s declined: %s", name, error)
+            continue
+        return dataclasses.replace(plan, solver="auto", solve_s=time.perf_counter() - started)
+    raise UnsupportedProblem("auto: no registered solver accepted the problem")
