@@ -8,6 +8,7 @@ values that backward, or a recomputation, needs.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,6 +40,36 @@ def cut_candidates(problem: Problem) -> tuple[int, ...]:
         if reach <= v and v in decided:
             out.append(v)
         reach = max(reach, last_use[v])
+    return tuple(out)
+
+
+LOOSE_CUT_FRACTION = 0.25
+"""A loose cut after v tolerates crossing values of at most this fraction of v's bytes."""
+
+
+def loose_cut_candidates(problem: Problem, fraction: float = LOOSE_CUT_FRACTION) -> tuple[int, ...]:
+    """Like `cut_candidates`, but a cut after v may also be crossed by values much smaller
+    than v (at most `fraction` of its bytes). Transformers share small values across
+    every block (rotary cos/sin, masks), so they have no strict cut points at all; the
+    block boundaries are loose ones. Crossing values are recomputed or kept like any
+    other, `simulate` accounts for them."""
+    nodes = problem.nodes
+    decided = set(problem.decision_ids)
+    last_use = {i: i for i in problem.forward_ids}
+    for i in problem.forward_ids:
+        for j in nodes[i].inputs:
+            if nodes[j].phase is Phase.FORWARD and last_use[j] < i:
+                last_use[j] = i
+    out = []
+    alive: list[tuple[int, int, int]] = []  # max-heap of (-bytes, -last_use, id) crossing so far
+    for v in problem.forward_ids:
+        while alive and -alive[0][1] <= v:  # lazily drop values no longer read after v
+            heapq.heappop(alive)
+        biggest = -alive[0][0] if alive else 0
+        if v in decided and biggest <= fraction * nodes[v].out_bytes:
+            out.append(v)
+        if last_use[v] > v:  # a view crossing the cut keeps its base's storage alive
+            heapq.heappush(alive, (-nodes[problem.storage_of[v]].out_bytes, -last_use[v], v))
     return tuple(out)
 
 
@@ -132,9 +163,9 @@ def solve_chen_greedy(problem: Problem, options: Options) -> Plan:
     deadline = math.inf if options.time_limit_s is None else started + options.time_limit_s
     everything = [i for i in problem.decision_ids if problem.nodes[i].recomputable]
     candidate_sets = [everything]
-    cuts = cut_candidates(problem)
-    if cuts and len(cuts) < len(everything):
-        candidate_sets.insert(0, list(cuts))
+    for cuts in (loose_cut_candidates(problem), cut_candidates(problem)):
+        if cuts and len(cuts) < len(everything) and list(cuts) not in candidate_sets:
+            candidate_sets.insert(0, list(cuts))
     plans = [decisions_all(problem, Decision.SAVE), decisions_all(problem, Decision.RECOMPUTE)]
     plans += [
         _plan_saving(problem, greedy_segments(problem, cands, b))
