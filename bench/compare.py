@@ -352,7 +352,11 @@ def torch_rows(name: str, size: str, ref: Reference, budgets, repeats: int) -> l
     return rows
 
 
-def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repeats: int) -> list[Row]:
+def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repeats: int,
+               targets: tuple[int, ...] = ()) -> list[Row]:
+    """remat per solver over `points` budgets from the no-remat peak down to the
+    smallest reachable, plus each of `targets` (the measured peaks of the other methods:
+    the dominance question is what remat costs at exactly their memory)."""
     why = remat_available()
     if why is not None:
         log.warning("skipping remat rows: %s", why)
@@ -380,6 +384,8 @@ def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repea
                 rows.append(_failed(name, method, "smallest", e))
                 low = baseline
             budgets += _linspace_bytes(baseline, low, points)[1:]
+            budgets += sorted((t for t in set(targets) if low <= t < baseline and t not in budgets),
+                              reverse=True)
         for budget in budgets:
             setting = "100%" if budget is None else f"{budget / MIB:.2f} MiB"
             try:
@@ -408,7 +414,8 @@ def run_model(name: str, opts: argparse.Namespace) -> list[Row]:
         rows.append(_failed(name, "checkpoint", "every block", e))
     log.info("%s", _row_line(rows[-1]))
     rows += torch_rows(name, opts.size, ref, opts.torch_budgets, opts.repeats)
-    rows += remat_rows(name, opts.size, ref, opts.solvers, opts.points, opts.repeats)
+    targets = tuple(r.peak_bytes for r in rows if r.method in ("torch", "checkpoint") and r.measured)
+    rows += remat_rows(name, opts.size, ref, opts.solvers, opts.points, opts.repeats, targets)
     return rows
 
 
