@@ -30,6 +30,10 @@ from solvers.dp import DPOptions, solve_dp  # noqa: E402
 
 register(SolverSpec(name="dp", run=solve_dp, options_type=DPOptions, exact=True,
                     summary="exact DP over chains and block sequences (articulation points)"))
+from solvers.ilp import ILPOptions, solve_ilp  # noqa: E402
+
+register(SolverSpec(name="ilp", run=solve_ilp, options_type=ILPOptions, exact=True,
+                    summary="CP-SAT over the canonical plan space, checked by simulate (no-good cuts)"))
 from solvers.auto import AutoOptions, solve_auto  # noqa: E402
 
 register(SolverSpec(name="auto", run=solve_auto, options_type=AutoOptions, exact=True,

@@ -1,0 +1,154 @@
+"""`ilp`: CP-SAT over simulate's canonical plan space, certified by simulate.
+
+Plan space: exactly brute's and dp's: every decision value SAVE / RECOMPUTE / OFFLOAD
+where allowed, run by simulate's canonical schedule (no explicit schedule is returned).
+
+Formulation (ilp_model.py): per value the decision booleans save/drop/off; need, rec,
+reload (brought back, recomputed, reloaded in backward); fn (first need) and lr (last
+read) as integers in node-step time; one interval per storage (forward, recompute,
+reload) with its bytes, and a Cumulative constraint with the static bytes under the
+budget. The cost (sum of compute_s over recomputed values plus transfer seconds) is
+exact; memory is exact at every node step and unchecked at the recomputation steps
+between backward nodes, so the model is a relaxation of simulate. Hence the loop:
+solve; simulate the solution; if it fits it is the answer (OPTIMAL when CP-SAT proved
+the relaxation optimal: the relaxation's optimum is then a plan), else forbid exactly
+that plan (a no-good) and solve again. Any CP-SAT bound is a valid lower bound.
+
+Why CP-SAT rather than a MIP (SCIP/CBC through pywraplp): the memory constraint is a
+cumulative of intervals whose ends are maxima of integer times, which CP-SAT propagates
+natively; as a MIP it needs a time-indexed big-M formulation with O(values x steps)
+binaries. Measured on transformer(2) (127 nodes, 38 decision values) at 50% budget, the
+time-indexed MIP did not finish in 60 s under SCIP; CP-SAT proves this model in well
+under a second (see bench/solvers.py for the large cases).
+
+The search is warm-started from the best fitting heuristic plan (chen-greedy, greedy,
+and dp when the problem is a block sequence, within a share of the time limit); the
+returned plan is never worse than it. Deterministic by default (workers=1, seed).
+Cost rounding: costs are scaled by a power of two to integers (dyadic costs stay exact;
+others round by at most 2**-24 of the largest cost per value), so OPTIMAL holds up to
+that rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+from ortools.sat.python import cp_model
+
+from solvers.base import Options, finish
+from solvers.ilp_model import CanonicalModel
+from solvers.problem import Decision, Plan, Problem, decisions_all
+from solvers.registry import SOLVERS, UnsupportedProblem, make_options
+from solvers.simulate import PlanError, evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ILPOptions(Options):
+    """Options of `ilp`."""
+
+    time_limit_s: float | None = 10.0
+    """Wall-clock limit for the whole solve (warm start, CP-SAT calls, simulations)."""
+    warm_start: tuple[str, ...] = ("dp", "greedy", "chen-greedy")
+    """Solvers whose best fitting plan seeds the search (unknown or unsupported ones are
+    skipped)."""
+    warm_share: float = 0.3
+    """Largest share of the time limit the warm start may use."""
+    max_cuts: int = 1000
+    """Most no-good cuts (solutions that simulate rejects) before stopping."""
+
+
+def solve_ilp(problem: Problem, options: Options) -> Plan:
+    started = time.perf_counter()
+    opts = options if isinstance(options, ILPOptions) else ILPOptions(
+        time_limit_s=options.time_limit_s, seed=options.seed, workers=options.workers)
+    limit = math.inf if opts.time_limit_s is None else opts.time_limit_s
+    deadline = started + limit
+    if not problem.decision_ids:
+        return finish(problem, {}, "ilp", started_s=started, optimal=True, lower_bound_s=0.0)
+    incumbent, smallest = warm_start(problem, opts, started + opts.warm_share * limit)
+    model = CanonicalModel(problem)
+    proven, bound_s, cuts = False, 0.0, 0
+    while cuts <= opts.max_cuts:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            break
+        if incumbent is not None:
+            model.hint(incumbent[1])
+        solver = _solver(opts, remaining)
+        status = solver.solve(model.model)
+        if status == cp_model.INFEASIBLE:
+            # Every fitting plan satisfies the relaxation and no cut: none fits.
+            if incumbent is not None:
+                log.warning("ilp: the model is infeasible but plan of cost %.6g fits", incumbent[0])
+            break
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break
+        bound_s = max(bound_s, _lower_bound(solver, model))
+        decisions = model.decisions_of(solver)
+        ev = _simulate(problem, decisions)
+        if ev is not None and ev.fits:
+            if incumbent is None or ev.cost_s < incumbent[0]:
+                incumbent = (ev.cost_s, decisions)
+            proven = status == cp_model.OPTIMAL
+            break
+        model.forbid(decisions)
+        cuts += 1
+    if incumbent is None:
+        return finish(problem, smallest, "ilp", started_s=started)
+    cost, decisions = incumbent
+    if proven:
+        bound_s = cost
+    return finish(problem, decisions, "ilp", started_s=started, optimal=proven,
+                  lower_bound_s=min(bound_s, cost))
+
+
+def _solver(opts: ILPOptions, seconds: float) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, seconds)
+    solver.parameters.num_workers = max(1, opts.workers)
+    solver.parameters.random_seed = opts.seed
+    return solver
+
+
+def _lower_bound(solver: cp_model.CpSolver, model: CanonicalModel) -> float:
+    """CP-SAT's objective bound in seconds, less the largest possible rounding."""
+    slack = 0.5 * len(model.data.decision) * (2 if model.off else 1)
+    return max(0.0, (solver.best_objective_bound - slack) / model.scale)
+
+
+def _simulate(problem: Problem, decisions: dict[int, Decision]):
+    try:
+        return evaluate(problem, decisions)
+    except PlanError:  # cannot happen for a model solution; treat as not fitting
+        log.warning("ilp: model solution rejected by simulate as invalid")
+        return None
+
+
+def warm_start(problem: Problem, opts: ILPOptions, deadline: float):
+    """(cost, decisions) of the cheapest fitting plan among the warm-start solvers and
+    the two trivial plans, or None; and the decisions of the smallest peak seen."""
+    candidates = [decisions_all(problem, Decision.SAVE), decisions_all(problem, Decision.RECOMPUTE)]
+    for name in opts.warm_start:
+        remaining = deadline - time.perf_counter()
+        if name not in SOLVERS or remaining <= 0:
+            continue
+        try:
+            plan = SOLVERS[name].run(problem, make_options(name, time_limit_s=remaining, seed=opts.seed))
+        except (UnsupportedProblem, TypeError):
+            continue
+        candidates.append(dict(plan.decisions))
+    best, smallest = None, None
+    for decisions in candidates:
+        ev = _simulate(problem, decisions)
+        if ev is None:
+            continue
+        if smallest is None or (ev.peak_bytes, ev.cost_s) < smallest[0]:
+            smallest = ((ev.peak_bytes, ev.cost_s), decisions)
+        if ev.fits and (best is None or ev.cost_s < best[0]):
+            best = (ev.cost_s, decisions)
+    return best, smallest[1]

@@ -1,0 +1,410 @@
+"""The CP-SAT model of simulate's canonical schedule, exact at every node step.
+
+Time is the index of a node step: forward steps 0..F-1, backward nodes F..F+T-1 (the
+recomputations before backward node t run "at" t; see below). Every quantity below is
+what simulate.py computes for the canonical schedule:
+
+  need_v   v's value is brought back in backward: a backward node reads v, or a
+           RECOMPUTE child of v that is needed is recomputed (it reads v).
+  rec_v    = RECOMPUTE and needed: v is recomputed once, costing compute_s.
+  fn_v     the backward node before which v is first needed: the earliest of v's first
+           backward reader and fn_c of its recomputed children c (simulate's depth-
+           first bring-back reaches v exactly then).
+  lr_v     the last node step at which v's backward instance is alive: its last
+           backward reader (extended by backward views of it), and fn_c - 1 for each
+           recomputed child c (the recomputation runs after step fn_c - 1 and reads v).
+
+Storages (what bytes are counted once): the forward storage F_s of each plain decision
+value s (alive from its forward step to its last forward use, or to lr of a saved
+member of its alias group), the recompute storage R_s (alive from fn_s to the lr of the
+instances that view it) and the reload storage L_u of an offloaded u. Each backward
+instance binds to one of them (`bind`), as simulate's aliasing does. A Cumulative
+constraint keeps static bytes (no decision changes them) plus live storages under the
+budget at every node step.
+
+Exactness: at node steps this is simulate's live set exactly. Inside a run of
+recomputations before a backward node, simulate frees values as it goes, in depth-first
+order; the model does not check those steps, so it is a *relaxation*: its optimum is a
+lower bound, and a solution is only accepted once simulate confirms it fits (ilp.py adds
+a no-good cut for each one that does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from ortools.sat.python import cp_model
+
+from solvers.dp_structure import static_profile
+from solvers.problem import Decision, Phase, Problem
+
+MAX_KNAPSACKS = 256
+"""Most redundant knapsack rows added to the model (see CanonicalModel._knapsacks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+    """What the model needs from the problem, in node-step time."""
+
+    n_steps: int
+    step: dict[int, int]
+    decision: tuple[int, ...]
+    children: dict[int, tuple[int, ...]]
+    first_read: dict[int, int]
+    last_read: dict[int, int]
+    forward_end: dict[int, int]
+    members: dict[int, tuple[int, ...]]
+    static: tuple[int, ...]
+
+
+def _data(problem: Problem) -> _Data:
+    nodes, root = problem.nodes, problem.storage_of
+    order = list(problem.forward_ids) + list(problem.backward_ids)
+    step = {i: k for k, i in enumerate(order)}
+    forever = len(order) - 1
+    decision = problem.decision_ids
+    dset = set(decision)
+    outputs = set(problem.outputs)
+    at, _, _ = static_profile(problem, dset)
+    children = {v: tuple(c for c in problem.users[v] if c in dset) for v in decision}
+    # End of every instance, through the views made of it (backward views of a saved
+    # activation keep its storage alive until their own last use).
+    inst_end: dict[int, int] = {}
+    for i in reversed(order):
+        end = forever if i in outputs else step[i]
+        for u in problem.users[i]:
+            end = max(end, step[u])
+            if nodes[u].alias_of == i:
+                end = max(end, inst_end[u])
+        inst_end[i] = end
+    first_read, last_read = {}, {}
+    for v in decision:
+        reads = [(step[r], inst_end[r] if nodes[r].alias_of == v else step[r])
+                 for r in problem.users[v] if nodes[r].phase is Phase.BACKWARD]
+        if reads:
+            first_read[v] = min(a for a, _ in reads)
+            last_read[v] = max(b for _, b in reads)
+    forward_end: dict[int, int] = {}
+    members: dict[int, list[int]] = {}
+    for i in problem.forward_ids:
+        s = root[i]
+        if s not in dset:
+            continue
+        end = forever if i in outputs else step[i]
+        for u in problem.users[i]:
+            if nodes[u].phase is Phase.FORWARD:
+                end = max(end, step[u])
+                if nodes[u].alias_of == i and u not in dset:
+                    end = max(end, inst_end[u])
+        forward_end[s] = max(forward_end.get(s, 0), end)
+        if i in dset:
+            members.setdefault(s, []).append(i)
+    return _Data(
+        n_steps=len(order),
+        step=step,
+        decision=decision,
+        children=children,
+        first_read=first_read,
+        last_read=last_read,
+        forward_end=forward_end,
+        members={s: tuple(m) for s, m in members.items()},
+        static=tuple(at[i] for i in order),
+    )
+
+
+class CanonicalModel:
+    """Builds the model once; `solve` may be called again after `forbid`."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.data = _data(problem)
+        self.model = cp_model.CpModel()
+        costs = [problem.nodes[v].compute_s for v in self.data.decision]
+        bw = problem.offload_bandwidth_bytes_per_s
+        if bw:
+            costs += [problem.nodes[v].out_bytes / bw for v in self.data.decision]
+        self.scale = _scale(costs)
+        self._decisions()
+        self._demand()
+        self._storages()
+        self._memory()
+        self._knapsacks()
+        self._objective()
+
+    # ---- variables: the decisions ----
+
+    def _decisions(self) -> None:
+        m, p = self.model, self.problem
+        self.save, self.drop, self.off = {}, {}, {}
+        for v in self.data.decision:
+            allowed = p.allowed(v)
+            self.save[v] = m.new_bool_var(f"save_{v}")
+            self.drop[v] = m.new_bool_var(f"drop_{v}")
+            lits = [self.save[v], self.drop[v]]
+            if Decision.OFFLOAD in allowed:
+                self.off[v] = m.new_bool_var(f"off_{v}")
+                lits.append(self.off[v])
+            # One decision per value.
+            m.add_exactly_one(lits)
+
+    # ---- variables and constraints: who is brought back when ----
+
+    def _demand(self) -> None:
+        m, d, nodes = self.model, self.data, self.problem.nodes
+        big = d.n_steps
+        self.need, self.rec, self.reload, self.fn, self.lr = {}, {}, {}, {}, {}
+        for v in reversed(d.decision):
+            # need_v: read by backward, or by the recomputation of a needed child.
+            self.need[v] = m.new_bool_var(f"need_{v}")
+            feeds = [self.rec[c] for c in d.children[v]]
+            if v in d.first_read:
+                m.add(self.need[v] == 1)
+            elif feeds:
+                m.add_max_equality(self.need[v], feeds)
+            else:
+                m.add(self.need[v] == 0)
+            # rec_v / reload_v: dropped (offloaded) and needed.
+            self.rec[v] = _and(m, f"rec_{v}", self.drop[v], self.need[v])
+            if v in self.off:
+                self.reload[v] = _and(m, f"reload_{v}", self.off[v], self.need[v])
+            if not nodes[v].recomputable:
+                m.add(self.rec[v] == 0)  # dropping it is valid only if nothing needs it
+            # Symmetry: an unneeded value is saved (SAVE and RECOMPUTE are the same plan).
+            m.add_implication(self.need[v].Not(), self.save[v])
+            # fn_v: the earliest need (depth-first bring-back reaches v then).
+            terms = [d.first_read[v]] if v in d.first_read else []
+            for c in d.children[v]:
+                t = m.new_int_var(0, big, f"fnterm_{v}_{c}")
+                m.add(t == self.fn[c]).only_enforce_if(self.rec[c])
+                m.add(t == big).only_enforce_if(self.rec[c].Not())
+                terms.append(t)
+            self.fn[v] = m.new_int_var(0, big, f"fn_{v}")
+            m.add_min_equality(self.fn[v], terms or [big])
+            # lr_v: last read of v's backward instance (a lower bound is enough: a
+            # longer life only costs memory).
+            self.lr[v] = m.new_int_var(-1, big, f"lr_{v}")
+            if v in d.last_read:
+                m.add(self.lr[v] >= d.last_read[v])
+            for c in d.children[v]:
+                m.add(self.lr[v] >= self.fn[c] - 1).only_enforce_if(self.rec[c])
+
+    # ---- storages and what binds to them ----
+
+    def _storages(self) -> None:
+        m, d, p = self.model, self.data, self.problem
+        nodes, root = p.nodes, p.storage_of
+        self.intervals: list[tuple[cp_model.IntervalVar, int]] = []
+        self.bind: dict[int, dict[str, cp_model.IntVar]] = {}
+        ends: dict[str, cp_model.IntVar] = {}
+        for v in d.decision:
+            s = root[v]
+            places: dict[str, list] = {}
+            plain_storage = s in d.forward_end and nodes[s].out_bytes > 0
+            if plain_storage:
+                places.setdefault(f"F{s}", []).append(self.save[v])
+            if nodes[v].alias_of is None:
+                places.setdefault(f"R{v}", []).append(self.rec[v])
+            else:
+                for key, lit in self.bind.get(nodes[v].alias_of, {}).items():
+                    places.setdefault(key, []).append(_and(m, f"via_{v}_{key}", self.rec[v], lit))
+            if v in self.reload:
+                places[f"L{v}"] = [self.reload[v]]
+            self.bind[v] = {key: _or(m, f"bind_{v}_{key}", lits) for key, lits in places.items()}
+        for s, end in d.forward_end.items():
+            if nodes[s].out_bytes > 0:
+                key = f"F{s}"
+                ends[key] = m.new_int_var(end, d.n_steps - 1, f"end_{key}")
+                self._interval(key, d.step[s], ends[key], None, nodes[s].out_bytes)
+        for v in d.decision:
+            if nodes[v].alias_of is None and nodes[v].out_bytes > 0:
+                key = f"R{v}"
+                ends[key] = m.new_int_var(-1, d.n_steps - 1, f"end_{key}")
+                self._interval(key, self.fn[v], ends[key], self.rec[v], nodes[v].out_bytes)
+            if v in self.reload and nodes[v].out_bytes > 0:
+                key = f"L{v}"
+                ends[key] = m.new_int_var(-1, d.n_steps - 1, f"end_{key}")
+                self._interval(key, self.fn[v], ends[key], self.reload[v], nodes[v].out_bytes)
+        # A storage lives until the last read of every instance bound to it.
+        for v, places in self.bind.items():
+            for key, lit in places.items():
+                if key in ends:
+                    m.add(ends[key] >= self.lr[v]).only_enforce_if(lit)
+
+    def _interval(self, key: str, start, end: cp_model.IntVar, present, size_bytes: int) -> None:
+        m = self.model
+        stop = m.new_int_var(0, self.data.n_steps, f"stop_{key}")
+        m.add(stop == end + 1)
+        length = m.new_int_var(0, self.data.n_steps, f"len_{key}")
+        if present is None:
+            iv = m.new_interval_var(start, length, stop, f"live_{key}")
+        else:
+            iv = m.new_optional_interval_var(start, length, stop, present, f"live_{key}")
+        self.intervals.append((iv, size_bytes))
+
+    # ---- the budget at every node step ----
+
+    def _memory(self) -> None:
+        m, d = self.model, self.data
+        base = min(d.static)
+        capacity = self.problem.budget_bytes - base
+        intervals = [iv for iv, _ in self.intervals]
+        demands = [b for _, b in self.intervals]
+        k = 0
+        while k < d.n_steps:  # static bytes as fixed intervals, one per run of equal values
+            j = k
+            while j + 1 < d.n_steps and d.static[j + 1] == d.static[k]:
+                j += 1
+            if d.static[k] > base:
+                intervals.append(m.new_fixed_size_interval_var(k, j - k + 1, f"static_{k}"))
+                demands.append(d.static[k] - base)
+            k = j + 1
+        if capacity < 0:
+            m.add_bool_or([])  # the static bytes alone exceed the budget
+        else:
+            m.add_cumulative(intervals, demands, capacity)
+
+    # ---- redundant linear cuts: they give CP-SAT's LP a useful bound ----
+
+    def _knapsacks(self) -> None:
+        """At node step t, every value read by backward in [first_v, last_v] around t is
+        live whatever its decision; a value first read after t is live if saved; a value
+        only recomputations read is live if saved and needed, until the earliest step a
+        recomputation reading it can run (E_v, the earliest first read below it):
+        static_t + fixed_t + sum(bytes * live) <= budget. One constraint per distinct
+        live set (at its tightest step)."""
+        m, d, p = self.model, self.data, self.problem
+        nodes, root = p.nodes, p.storage_of
+        earliest: dict[int, int] = {}
+        for v in reversed(d.decision):
+            cands = [earliest[c] for c in d.children[v]]
+            if v in d.first_read:
+                cands.append(d.first_read[v])
+            earliest[v] = min(cands, default=d.n_steps)
+        groups: dict[int, list[int]] = {}
+        for v in d.decision:
+            s = root[v]
+            if s in d.forward_end and nodes[s].out_bytes > 0:
+                groups.setdefault(s, []).append(v)
+        tightest: dict[tuple, tuple[int, int]] = {}
+        for t, top in _runs(d, groups, earliest, MAX_KNAPSACKS):
+            live, fixed = [], 0
+            for s, vs in groups.items():
+                if d.step[s] > t:
+                    continue
+                if any(v in d.first_read and d.first_read[v] <= t <= d.last_read[v] for v in vs):
+                    fixed += 0 if self.off else nodes[s].out_bytes
+                    continue
+                if t <= d.forward_end[s]:
+                    fixed += nodes[s].out_bytes
+                    continue
+                later = tuple(v for v in vs if (d.first_read[v] > t if v in d.first_read else earliest[v] > t))
+                if later:
+                    live.append((s, later))
+            key = tuple(live)
+            room = p.budget_bytes - top - fixed
+            if key not in tightest or room < tightest[key][0]:
+                tightest[key] = (room, t)
+        alive: dict[tuple, object] = {}
+        for live, (room, _) in tightest.items():
+            terms = []
+            for s, later in live:
+                if later not in alive:
+                    alive[later] = self._live_if_saved(s, later)
+                terms.append(nodes[s].out_bytes * alive[later])
+            if terms:
+                m.add(sum(terms) <= room)
+
+    def _live_if_saved(self, s: int, members: tuple[int, ...]):
+        """A literal that is true if one of `members` is saved (and, if no backward node
+        reads it, needed): the storage is then live."""
+        m, d = self.model, self.data
+        lits = []
+        for v in members:
+            if v in d.first_read:
+                lits.append(self.save[v])
+            else:
+                z = m.new_bool_var(f"kept_{v}")
+                m.add(z >= self.save[v] + self.need[v] - 1)
+                lits.append(z)
+        if len(lits) == 1:
+            return lits[0]
+        y = m.new_bool_var(f"live_{s}_{members[0]}_{len(members)}")
+        for lit in lits:
+            m.add_implication(lit, y)
+        return y
+
+    def _objective(self) -> None:
+        p, s = self.problem, self.scale
+        terms = [(round(p.nodes[v].compute_s * s), self.rec[v]) for v in self.data.decision]
+        bw = p.offload_bandwidth_bytes_per_s
+        for v, off in self.off.items():
+            move = round(p.nodes[v].out_bytes / bw * s)
+            terms += [(move, off), (move, self.reload[v])]
+        self.model.minimize(sum(c * x for c, x in terms if c))
+
+    # ---- use ----
+
+    def literal(self, v: int, d: Decision):
+        return {Decision.SAVE: self.save, Decision.RECOMPUTE: self.drop, Decision.OFFLOAD: self.off}[d][v]
+
+    def hint(self, decisions: Mapping[int, Decision]) -> None:
+        self.model.clear_hints()
+        for v in self.data.decision:
+            for d in self.problem.allowed(v):
+                self.model.add_hint(self.literal(v, d), decisions[v] is d)
+
+    def forbid(self, decisions: Mapping[int, Decision]) -> None:
+        """A no-good: this exact plan does not fit (simulate says so)."""
+        self.model.add_bool_or([self.literal(v, decisions[v]).Not() for v in self.data.decision])
+
+    def decisions_of(self, solver: cp_model.CpSolver) -> dict[int, Decision]:
+        out = {}
+        for v in self.data.decision:
+            for d in self.problem.allowed(v):
+                if solver.boolean_value(self.literal(v, d)):
+                    out[v] = d
+        return out
+
+
+def _runs(d: _Data, groups: dict[int, list[int]], earliest: dict[int, int], limit: int):
+    """(first step, largest static bytes) of the runs of node steps over which no
+    storage changes between absent / fixed / live-if-saved, at most `limit` of them
+    (evenly spread: fewer knapsacks give a weaker but still valid bound)."""
+    cuts = {0, d.n_steps}
+    for s, vs in groups.items():
+        cuts.update((d.step[s], d.forward_end[s] + 1))
+        for v in vs:
+            if v in d.first_read:
+                cuts.update((d.first_read[v], d.last_read[v] + 1))
+            else:
+                cuts.add(earliest[v])
+    cuts = sorted(c for c in cuts if 0 <= c <= d.n_steps)
+    runs = [(a, max(d.static[a:b])) for a, b in zip(cuts, cuts[1:]) if b > a]
+    if len(runs) > limit:
+        runs = [runs[round(k * (len(runs) - 1) / (limit - 1))] for k in range(limit)]
+    return runs
+
+
+def _and(m: cp_model.CpModel, name: str, a, b):
+    x = m.new_bool_var(name)
+    m.add_bool_and([a, b]).only_enforce_if(x)
+    m.add_bool_or([a.Not(), b.Not()]).only_enforce_if(x.Not())
+    return x
+
+
+def _or(m: cp_model.CpModel, name: str, lits: list):
+    if len(lits) == 1:
+        return lits[0]
+    x = m.new_bool_var(name)
+    m.add_max_equality(x, lits)
+    return x
+
+
+def _scale(costs: list[float]) -> float:
+    """A power of two that turns the largest cost into about 1e7 units: costs that are
+    dyadic rationals (the tests' multiples of 1/8) stay exact; others round by at most
+    half a unit each."""
+    top = max((c for c in costs if c > 0), default=1.0)
+    return 2.0 ** math.floor(math.log2(1e7 / top))
