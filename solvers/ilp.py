@@ -46,6 +46,9 @@ from solvers.simulate import PlanError, evaluate
 
 log = logging.getLogger(__name__)
 
+MIN_PEAK_SEARCH_S = 0.05
+"""Least time left for the smallest-peak search to run when the budget cannot be met."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ILPOptions(Options):
@@ -99,12 +102,29 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
         model.forbid(decisions)
         cuts += 1
     if incumbent is None:
-        return finish(problem, smallest, "ilp", started_s=started)
+        least = _least_peak(problem, opts, deadline, smallest)
+        return finish(problem, least, "ilp", started_s=started)
     cost, decisions = incumbent
     if proven:
         bound_s = cost
     return finish(problem, decisions, "ilp", started_s=started, optimal=proven,
                   lower_bound_s=min(bound_s, cost))
+
+
+def _least_peak(problem: Problem, opts: ILPOptions, deadline: float, smallest: dict[int, Decision]):
+    """Nothing fits: the model minimizing the peak (exact at node steps) against the
+    smallest peak seen so far; simulate decides."""
+    seconds = deadline - time.perf_counter()
+    if seconds < MIN_PEAK_SEARCH_S:
+        return smallest
+    model = CanonicalModel(problem, min_peak=True)
+    model.hint(smallest)
+    solver = _solver(opts, deadline - time.perf_counter())
+    if solver.solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return smallest
+    found = model.decisions_of(solver)
+    a, b = _simulate(problem, found), _simulate(problem, smallest)
+    return found if a is not None and (a.peak_bytes, a.cost_s) < (b.peak_bytes, b.cost_s) else smallest
 
 
 def _solver(opts: ILPOptions, seconds: float) -> cp_model.CpSolver:

@@ -117,8 +117,10 @@ def _data(problem: Problem) -> _Data:
 class CanonicalModel:
     """Builds the model once; `solve` may be called again after `forbid`."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, *, min_peak: bool = False) -> None:
+        """min_peak: minimize the peak (the budget ignored) instead of the cost."""
         self.problem = problem
+        self.min_peak = min_peak
         self.data = _data(problem)
         self.model = cp_model.CpModel()
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
@@ -130,8 +132,11 @@ class CanonicalModel:
         self._demand()
         self._storages()
         self._memory()
-        self._knapsacks()
-        self._objective()
+        if min_peak:
+            self.model.minimize(self.peak)
+        else:
+            self._knapsacks()
+            self._objective()
 
     # ---- variables: the decisions ----
 
@@ -249,6 +254,10 @@ class CanonicalModel:
         m, d = self.model, self.data
         base = min(d.static)
         capacity = self.problem.budget_bytes - base
+        if self.min_peak:
+            top = max(d.static) + sum(b for _, b in self.intervals)
+            self.peak = m.new_int_var(max(d.static), top, "peak")
+            capacity = self.peak - base
         intervals = [iv for iv, _ in self.intervals]
         demands = [b for _, b in self.intervals]
         k = 0
@@ -260,7 +269,7 @@ class CanonicalModel:
                 intervals.append(m.new_fixed_size_interval_var(k, j - k + 1, f"static_{k}"))
                 demands.append(d.static[k] - base)
             k = j + 1
-        if capacity < 0:
+        if not self.min_peak and capacity < 0:
             m.add_bool_or([])  # the static bytes alone exceed the budget
         else:
             m.add_cumulative(intervals, demands, capacity)
