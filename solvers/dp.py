@@ -74,8 +74,9 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
         log.warning("dp: predicted cost %.6g / peak %d but simulate gives %.6g / %d; not claiming optimality",
                     cost, peak, ev.cost_s, ev.peak_bytes)
     optimal = feasible and exact
+    # OPTIMAL: no plan is cheaper than this one (up to float summation order).
     return finish(problem, decisions, "dp", started_s=started, optimal=optimal,
-                  lower_bound_s=min(cost, ev.cost_s) if optimal else None)
+                  lower_bound_s=ev.cost_s if optimal else None)
 
 
 def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
