@@ -21,9 +21,12 @@ binaries. Measured on transformer(2) (127 nodes, 38 decision values) at 50% budg
 time-indexed MIP did not finish in 60 s under SCIP; CP-SAT proves this model in well
 under a second (see bench/solvers.py for the large cases).
 
-The search is warm-started from the best fitting heuristic plan (chen-greedy, greedy,
-and dp when the problem is a block sequence, within a share of the time limit); the
-returned plan is never worse than it. Deterministic by default (workers=1, seed).
+The search is warm-started from the best fitting plan of `warm_start` (dp, greedy,
+chen-greedy, within a share of the time limit); the returned plan is never worse. When
+dp applies and proves its plan OPTIMAL (dp is exact over this same plan space), that
+plan is returned as OPTIMAL at once: dp's proof is the certificate (dp exploits the
+repeated identical blocks of a stack: one table per distinct layer). Deterministic by
+default (workers=1, seed).
 Cost rounding: costs are scaled by a power of two to integers (dyadic costs stay exact;
 others round by at most 2**-24 of the largest cost per value), so OPTIMAL holds up to
 that rounding.
@@ -40,7 +43,7 @@ from ortools.sat.python import cp_model
 
 from solvers.base import Options, finish
 from solvers.ilp_model import CanonicalModel
-from solvers.problem import Decision, Plan, Problem, decisions_all
+from solvers.problem import Decision, Plan, Problem, Status, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
 from solvers.simulate import PlanError, evaluate
 
@@ -73,7 +76,9 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
     deadline = started + limit
     if not problem.decision_ids:
         return finish(problem, {}, "ilp", started_s=started, optimal=True, lower_bound_s=0.0)
-    incumbent, smallest = warm_start(problem, opts, started + opts.warm_share * limit)
+    incumbent, smallest, certified = warm_start(problem, opts, started + opts.warm_share * limit)
+    if certified:  # an exact solver proved it optimal over this same plan space
+        return finish(problem, incumbent[1], "ilp", started_s=started, optimal=True, lower_bound_s=incumbent[0])
     model = CanonicalModel(problem)
     proven, bound_s, cuts = False, 0.0, 0
     while cuts <= opts.max_cuts:
@@ -129,7 +134,10 @@ def _least_peak(problem: Problem, opts: ILPOptions, deadline: float, smallest: d
 
 def _solver(opts: ILPOptions, seconds: float) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
+    # The deterministic limit usually stops the search first, so equal inputs give equal
+    # plans; the wall-clock limit is the guarantee.
     solver.parameters.max_time_in_seconds = max(0.01, seconds)
+    solver.parameters.max_deterministic_time = max(0.01, seconds)
     solver.parameters.num_workers = max(1, opts.workers)
     solver.parameters.random_seed = opts.seed
     return solver
@@ -151,8 +159,10 @@ def _simulate(problem: Problem, decisions: dict[int, Decision]):
 
 def warm_start(problem: Problem, opts: ILPOptions, deadline: float):
     """(cost, decisions) of the cheapest fitting plan among the warm-start solvers and
-    the two trivial plans, or None; and the decisions of the smallest peak seen."""
+    the two trivial plans, or None; the decisions of the smallest peak seen; and whether
+    an exact warm-start solver (dp) proved its plan OPTIMAL (then it is returned)."""
     candidates = [decisions_all(problem, Decision.SAVE), decisions_all(problem, Decision.RECOMPUTE)]
+    proven = None
     for name in opts.warm_start:
         remaining = deadline - time.perf_counter()
         if name not in SOLVERS or remaining <= 0:
@@ -162,6 +172,9 @@ def warm_start(problem: Problem, opts: ILPOptions, deadline: float):
         except (UnsupportedProblem, TypeError):
             continue
         candidates.append(dict(plan.decisions))
+        if SOLVERS[name].exact and plan.status is Status.OPTIMAL and plan.schedule is None:
+            proven = (plan.objective_s, dict(plan.decisions))
+            break
     best, smallest = None, None
     for decisions in candidates:
         ev = _simulate(problem, decisions)
@@ -171,4 +184,6 @@ def warm_start(problem: Problem, opts: ILPOptions, deadline: float):
             smallest = ((ev.peak_bytes, ev.cost_s), decisions)
         if ev.fits and (best is None or ev.cost_s < best[0]):
             best = (ev.cost_s, decisions)
-    return best, smallest[1]
+    if proven is not None:
+        return proven, smallest[1], True
+    return best, smallest[1], False

@@ -1,0 +1,165 @@
+"""ilp: its CP-SAT model alone (no warm start) equals brute on small random DAGs, its
+no-good loop repairs what the model cannot see, its bounds are honest, and it is never
+worse than its warm start or than dp and chen-greedy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
+from solvers import builders, ilp_model
+from solvers.dp_structure import analyze
+from solvers.ilp import ILPOptions
+from strategies import problems
+
+REL = dict(rel=1e-9, abs=1e-12)
+MODEL_ONLY = dict(warm_start=())  # the CP-SAT model by itself, no heuristic seed
+
+
+def assert_equals_brute(problem: Problem, plan) -> None:
+    oracle = solve(problem, "brute")
+    assert plan.status is oracle.status
+    if oracle.status is Status.OPTIMAL:
+        assert plan.objective_s == pytest.approx(oracle.objective_s, **REL)
+        assert plan.lower_bound_s == plan.objective_s
+    else:
+        assert plan.peak_bytes == oracle.peak_bytes
+
+
+@settings(max_examples=150)
+@given(problem=problems(max_forward=7))
+def test_model_equals_brute_on_small_problems(problem):
+    assert_equals_brute(problem, solve(problem, "ilp", **MODEL_ONLY))
+
+
+@st.composite
+def random_dags(draw, max_values: int = 14) -> Problem:
+    """Layered DAGs with skips (mostly not block sequences), views, non-recomputable ops
+    and sometimes offload, with at most `max_values` decision values."""
+    offload = draw(st.booleans())
+    n = draw(st.integers(3, 8 if offload else max_values))
+    problem = builders.random_dag(
+        n, seed=draw(st.integers(0, 10_000)), skip_prob=draw(st.sampled_from([0.3, 0.6, 0.9])),
+        max_skip=draw(st.integers(2, 8)), view_prob=draw(st.sampled_from([0.0, 0.3])),
+        nonrecomputable_prob=draw(st.sampled_from([0.0, 0.2])),
+        offload_bandwidth_bytes_per_s=draw(st.sampled_from([2e8, 1e9])) if offload else None,
+    )
+    return builders.with_budget_fraction(problem, draw(st.floats(0.2, 1.0)))
+
+
+@settings(max_examples=40)
+@given(problem=random_dags())
+def test_model_equals_brute_on_random_dags_up_to_14_values(problem):
+    assert len(problem.decision_ids) <= 14
+    assert_equals_brute(problem, solve(problem, "ilp", **MODEL_ONLY))
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_forward=6), extra=st.integers(1, 300))
+def test_more_budget_never_makes_ilp_worse(problem, extra):
+    tight = solve(problem, "ilp", **MODEL_ONLY)
+    loose = solve(problem.with_budget(problem.budget_bytes + extra), "ilp", **MODEL_ONLY)
+    if tight.status is Status.OPTIMAL:
+        assert loose.status is Status.OPTIMAL and loose.objective_s <= tight.objective_s + 1e-12
+    else:
+        assert loose.peak_bytes >= tight.peak_bytes
+
+
+# ---- the no-good loop ----
+
+
+def _transient_problem(budget: int) -> Problem:
+    """x -> a -> b -> d -> loss where a is read only to recompute b: the model checks
+    node steps, and only simulate sees a (40 bytes) coexist with b's recomputation
+    after a large gradient (50 bytes, an output) appeared."""
+    F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT
+    nodes = (
+        Node(name="x", inputs=(), out_bytes=4, phase=I),
+        Node(name="a", inputs=(0,), out_bytes=40, phase=F, compute_s=1.0),
+        Node(name="b", inputs=(1,), out_bytes=8, phase=F, compute_s=1.0),
+        Node(name="d", inputs=(2,), out_bytes=20, phase=F, compute_s=1.0),
+        Node(name="loss", inputs=(3,), out_bytes=4, phase=F),
+        Node(name="tangent", inputs=(), out_bytes=4, phase=B),
+        Node(name="grad_d", inputs=(5, 3), out_bytes=50, phase=B),
+        Node(name="grad_b", inputs=(6, 2), out_bytes=4, phase=B),
+        Node(name="grad_x", inputs=(7,), out_bytes=4, phase=B),
+    )
+    return Problem(nodes=nodes, outputs=(4, 6, 8), budget_bytes=budget)
+
+
+def test_a_plan_simulate_rejects_is_cut_and_the_answer_still_equals_brute(monkeypatch):
+    cuts = []
+    original = ilp_model.CanonicalModel.forbid
+    monkeypatch.setattr(ilp_model.CanonicalModel, "forbid", lambda self, d: (cuts.append(d), original(self, d)))
+    problem = _transient_problem(82)
+    plan = solve(problem, "ilp", **MODEL_ONLY)
+    assert cuts, "the model's first answer should need simulate's correction here"
+    for rejected in cuts:
+        assert not simulate(problem, rejected).fits
+    assert_equals_brute(problem, plan)
+
+
+# ---- bounds, warm start, time limit, determinism ----
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_bounds_are_honest_under_a_short_time_limit(fraction):
+    problem = builders.with_budget_fraction(builders.random_dag(300, seed=3, view_prob=0.1), fraction)
+    plan = solve(problem, "ilp", time_limit_s=2.0)
+    assert plan.status in (Status.OPTIMAL, Status.FEASIBLE)
+    assert plan.lower_bound_s is not None and plan.lower_bound_s <= plan.objective_s
+    if plan.status is Status.OPTIMAL:
+        assert plan.lower_bound_s == plan.objective_s
+    assert plan.solve_s < 2.0 + 3.0  # the limit plus model building on a loaded machine
+    greedy = solve(problem, "chen-greedy")
+    assert plan.objective_s <= greedy.objective_s  # never worse than its warm start
+
+
+def test_ilp_is_at_most_dp_at_most_chen_greedy_on_block_sequences():
+    problem = builders.with_budget_fraction(builders.transformer(4, seq=128), 0.9)
+    assert len(analyze(problem).blocks) > 4
+    ilp, dp, greedy = (solve(problem, s) for s in ("ilp", "dp", "chen-greedy"))
+    assert dp.status is Status.OPTIMAL
+    assert ilp.objective_s <= dp.objective_s + 1e-12 <= greedy.objective_s + 2e-12
+
+
+def test_model_alone_reaches_dp_optimum_on_a_small_transformer():
+    problem = builders.with_budget_fraction(builders.transformer(2, batch=1, seq=32, d_model=16, n_heads=2,
+                                                                 vocab=16), 0.8)
+    ilp = solve(problem, "ilp", **MODEL_ONLY)
+    assert ilp.status is Status.OPTIMAL
+    assert ilp.objective_s == pytest.approx(solve(problem, "dp").objective_s, **REL)
+
+
+def test_ilp_handles_what_dp_refuses():
+    problem = builders.with_budget_fraction(builders.random_dag(40, seed=1, skip_prob=0.9, max_skip=30), 0.9)
+    with pytest.raises(UnsupportedProblem):
+        solve(problem, "dp", max_block_configs=64)
+    plan = solve(problem, "ilp", time_limit_s=5.0)
+    assert plan.status in (Status.OPTIMAL, Status.FEASIBLE)
+
+
+def test_deterministic_by_default():
+    problem = builders.with_budget_fraction(builders.random_dag(60, seed=8, view_prob=0.2), 0.6)
+    a, b = (solve(problem, "ilp", time_limit_s=3.0, warm_start=("chen-greedy",)) for _ in range(2))
+    assert a.decisions == b.decisions and a.status is b.status
+
+
+def test_infeasible_budget_is_a_status_with_the_smallest_peak():
+    problem = builders.with_budget_fraction(builders.chain(8), 0.05)
+    plan = solve(problem, "ilp", **MODEL_ONLY)
+    assert plan.status is Status.INFEASIBLE
+    assert plan.peak_bytes == solve(problem, "brute").peak_bytes
+
+
+def test_options_are_frozen_and_validated_by_name():
+    opts = ILPOptions()
+    assert opts.workers == 1 and opts.seed == 0 and opts.time_limit_s == 10.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.seed = 1  # type: ignore[misc]
+    with pytest.raises(TypeError, match="'time_limit'"):
+        solve(builders.chain(2), "ilp", time_limit=1)
