@@ -21,7 +21,6 @@ Writes ``results/compare/<model>.{md,json,png}`` and ``summary.md`` with the ver
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -29,19 +28,26 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Python puts this folder first on sys.path; bench/solvers.py must not shadow the
+# `solvers` package that remat imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from torch._export.utils import _compiling_state_context  # noqa: E402
+
 from remat import zoo  # noqa: E402
 from remat.costs import FlopCounter  # noqa: E402
 from remat.measure import measure_step, measure_step_profiler  # noqa: E402
+from remat.trace import compile_joint  # noqa: E402
 
 log = logging.getLogger("bench.compare")
 
@@ -121,42 +127,6 @@ def prepare_checkpoint(case: zoo.ModelCase) -> Prepared:
     return Prepared(case=case, step=_loss_step(case.model, case))
 
 
-@contextlib.contextmanager
-def traceable_transformers():
-    """``torch.compiler.is_compiling()`` true, as non-strict ``torch.export`` traces: then
-    transformers skips its data-dependent mask shortcuts (under functionalization its
-    FakeTensor check misses and ``.all()`` on a fake tensor fails) and builds an explicit
-    causal mask instead of ``is_causal=True`` -- equal to eager up to rounding."""
-    previous = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = previous
-
-
-_DATA_DEPENDENT = (
-    torch._subclasses.fake_tensor.DataDependentOutputException,
-    torch._subclasses.fake_tensor.DynamicOutputShapeException,
-    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
-)
-
-
-def _boxed_eager(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[[list[Any]], Any]:
-    """Run the graph eagerly with the boxed calling convention, so inputs (saved tensors
-    in backward) die at their last use, as under inductor."""
-    from torch.fx.graph import _BoxedCodeGen
-
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
-
-    def run(args: list[Any]) -> Any:
-        return gm(args)
-
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
-
-
 class _LossOnly(nn.Module):
     """The model as a function of flat tensors returning ``(loss,)``."""
 
@@ -173,22 +143,15 @@ class _LossOnly(nn.Module):
 def prepare_torch(case: zoo.ModelCase, budget: float) -> Prepared:
     """AOTAutograd with PyTorch's min-cut partitioner at `budget`, compiled eagerly."""
     from torch._functorch import config as functorch_config
-    from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     wrapper = _LossOnly(case.model, tuple(case.kwargs))
     inputs = [*case.args, *case.kwargs.values()]
-    def compile_() -> Callable[..., Any]:
-        return aot_module_simplified(wrapper, inputs, fw_compiler=_boxed_eager, bw_compiler=_boxed_eager,
-                                     partition_fn=min_cut_rematerialization_partition)
-
     started = time.perf_counter()
     with functorch_config.patch(activation_memory_budget=budget):
-        try:  # the model's eager code path first, as remat.plan does
-            compiled = compile_()
-        except _DATA_DEPENDENT:
-            with traceable_transformers():
-                compiled = compile_()
+        # traced exactly as remat.plan traces (eager code path first), boxed graphs
+        compiled = compile_joint(wrapper, inputs, min_cut_rematerialization_partition,
+                                 user_model=case.model).compiled
     plan_s = time.perf_counter() - started
 
     def step() -> None:
@@ -228,7 +191,8 @@ class Reference:
 
     grads: dict[str, torch.Tensor]
     traced_path_grads: dict[str, torch.Tensor]
-    """Eager gradients with transformers on its tracing code path (see traceable_transformers):
+    """Eager gradients with `torch.compiler.is_compiling()` set, the code path transformers
+    takes when traced (remat.trace.Traced.library_trace_path):
     what a traced method computes without rematerializing anything."""
     buffers: dict[str, torch.Tensor]
     flops: int
@@ -296,7 +260,7 @@ def reference(case: zoo.ModelCase) -> Reference:
     _, _, grads, buffers = _memory(prepared, init_state)
     _restore(case, init_state)
     torch.manual_seed(SEED)
-    with traceable_transformers():
+    with _compiling_state_context():
         prepared.step()
     traced_path_grads = _grads(case)
     return Reference(grads=grads, traced_path_grads=traced_path_grads, buffers=buffers,

@@ -162,7 +162,7 @@ class Planned(nn.Module):
         partitioner = _Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started)
         try:
-            traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner)
+            traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
             if partitioner.error is not None:
                 raise partitioner.error from None

@@ -24,7 +24,7 @@ from torch import fx
 from remat.api import PlannedStep, _Partitioner
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
-from remat.trace import _identity_compiler
+from remat.trace import boxed_eager_compiler
 from solvers import SOLVERS
 
 
@@ -49,8 +49,8 @@ class RematBackend:
                                    options=self.options, started_s=time.perf_counter())
         try:
             compiled = aot_module_simplified(
-                gm, list(example_inputs), fw_compiler=_identity_compiler,
-                bw_compiler=_identity_compiler, partition_fn=partitioner,
+                gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
+                bw_compiler=boxed_eager_compiler, partition_fn=partitioner,
             )
         except Exception:
             if partitioner.error is not None:

@@ -122,7 +122,7 @@ class FlatModel(nn.Module):
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
-def _identity_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
     """Run the graph eagerly with the boxed calling convention: the generated code
     clears its argument list, so saved tensors die at their last use in backward
     (with a plain call, the caller's list would keep every one alive to the end)."""
@@ -160,38 +160,42 @@ class Traced:
 
 
 def compile_joint(
-    flat_model: FlatModel, tensors: Sequence[torch.Tensor], partition_fn: Partitioner
+    module: nn.Module, tensors: Sequence[torch.Tensor], partition_fn: Partitioner,
+    *, user_model: nn.Module | None = None,
 ) -> Traced:
-    """Trace `flat_model` on `tensors` and compile it with `partition_fn` (which AOTAutograd
-    calls once, with the joint graph).
+    """Trace `module` (a function of flat tensors) on `tensors` and compile it with
+    `partition_fn` (which AOTAutograd calls once, with the joint graph); nodes are
+    stamped with the submodules of `user_model` (default: `module`) that made them.
 
     First on the model's eager code path, so the traced program is the one eager runs;
     if that path branches on tensor values, again as non-strict `torch.export` does,
     with `torch.compiler.is_compiling()` true, where libraries take trace-friendly paths."""
     from torch._export.utils import _compiling_state_context
 
+    user_model = module if user_model is None else user_model
     try:
-        return Traced(_aot(flat_model, tensors, partition_fn), "")
+        return Traced(_aot(module, user_model, tensors, partition_fn), "")
     except _DATA_DEPENDENT as eager_error:
         first = _failure_location(eager_error)
         log.warning("remat: the model's eager path branches on tensor values%s; tracing again "
                     "with torch.compiler.is_compiling() set, as torch.export does", first)
         try:
             with _compiling_state_context():
-                return Traced(_aot(flat_model, tensors, partition_fn), first)
+                return Traced(_aot(module, user_model, tensors, partition_fn), first)
         except _DATA_DEPENDENT as e:
             raise TraceError(_trace_failure_message(e)) from e
 
 
-def _aot(flat_model: FlatModel, tensors: Sequence[torch.Tensor], partition_fn: Partitioner):
+def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tensor],
+         partition_fn: Partitioner):
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    with _record_module_locations(flat_model.model):
+    with _record_module_locations(user_model):
         return aot_module_simplified(
-            flat_model,
+            module,
             list(tensors),
-            fw_compiler=_identity_compiler,
-            bw_compiler=_identity_compiler,
+            fw_compiler=boxed_eager_compiler,
+            bw_compiler=boxed_eager_compiler,
             partition_fn=partition_fn,
         )
 

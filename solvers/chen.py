@@ -23,17 +23,22 @@ points (0, sqrt(x*y), infinity, none, all) at most 44 simulations (~40 ms each a
 nodes)."""
 
 
+def _forward_last_use(problem: Problem) -> dict[int, int]:
+    """Forward id -> the last forward node that reads it (itself if none does)."""
+    last_use = {i: i for i in problem.forward_ids}
+    for i in problem.forward_ids:
+        for j in problem.nodes[i].inputs:
+            if problem.nodes[j].phase is Phase.FORWARD and last_use[j] < i:
+                last_use[j] = i
+    return last_use
+
+
 def cut_candidates(problem: Problem) -> tuple[int, ...]:
     """Decision values v after which the forward linearization can be cut: no forward value
     before v is read by a forward node after v (v is an articulation point; PARAM/INPUT
     values are live all step and do not count)."""
-    nodes = problem.nodes
     decided = set(problem.decision_ids)
-    last_use = {i: i for i in problem.forward_ids}
-    for i in problem.forward_ids:
-        for j in nodes[i].inputs:
-            if nodes[j].phase is Phase.FORWARD and last_use[j] < i:
-                last_use[j] = i
+    last_use = _forward_last_use(problem)
     out = []
     reach = -1  # the furthest forward reader of any value strictly before the current one
     for v in problem.forward_ids:
@@ -55,11 +60,7 @@ def loose_cut_candidates(problem: Problem, fraction: float = LOOSE_CUT_FRACTION)
     other, `simulate` accounts for them."""
     nodes = problem.nodes
     decided = set(problem.decision_ids)
-    last_use = {i: i for i in problem.forward_ids}
-    for i in problem.forward_ids:
-        for j in nodes[i].inputs:
-            if nodes[j].phase is Phase.FORWARD and last_use[j] < i:
-                last_use[j] = i
+    last_use = _forward_last_use(problem)
     out = []
     alive: list[tuple[int, int, int]] = []  # max-heap of (-bytes, -last_use, id) crossing so far
     for v in problem.forward_ids:
