@@ -143,10 +143,12 @@ class Bounds:
 
 def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]], budget: int,
                       grid: int = 4096, max_grid: int = 1 << 16) -> Bounds:
-    """A backward DP over a relaxation: the cascade terms of each local peak dropped
-    (each only makes a peak smaller or equal) and K on a grid. The grid step is the gcd
-    of all kept bytes when that gives at most `max_grid` points (then K is exact: every
-    K is a multiple of it), else budget / `grid` with K rounded down (looser)."""
+    """A backward DP over a relaxation: each local peak evaluated at the smallest
+    incoming cascade summary any partial plan can have (summary_floors; peaks grow with
+    the summary) and K on a grid. The grid step is the gcd of all kept bytes when that
+    gives at most `max_grid` points (then K is exact: every K is a multiple of it), else
+    budget / `grid` with K rounded down (looser)."""
+    floors = summary_floors(tables)
     step = 0
     for table, _ in tables:
         for menu in table.values():
@@ -157,10 +159,14 @@ def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]
     j = np.arange(size, dtype=np.int64)
     bound: dict[tuple, np.ndarray] = {k: np.zeros(size) for m in tables[-1][0].values() for k in m.keys}
     after = [bound]
-    for table, (off_f, off_g) in reversed(tables):
+    for b in reversed(range(len(tables))):
+        table, (off_f, off_g) = tables[b]
         new: dict[tuple, np.ndarray] = {}
         for (mode_prev, touched), menu in table.items():
-            peak = np.maximum(menu.forward + off_f, menu.backward[:, 0] + off_g)
+            floor = floors[b].get((mode_prev, touched))
+            if floor is None:
+                continue  # no partial plan reaches this context
+            peak = np.maximum(menu.forward + off_f, _max_plus(menu.backward, np.array([floor]))[:, 0] + off_g)
             cap = np.floor((budget - peak) / quantum)  # j <= cap fits
             best = np.full(size, np.inf)
             for index, key in enumerate(menu.keys):
@@ -178,6 +184,39 @@ def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]
         after.append(bound)
     after.reverse()  # after[0]: before block 0; after[b + 1]: after block b
     return Bounds(quantum, after)
+
+
+def summary_floors(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]]) -> list[dict[tuple, np.ndarray]]:
+    """floors[b][context]: a row (.., P, N, NR, ..) no smaller than the summary of any
+    partial plan entering block b in that context (the summary map is monotone, so
+    feeding it floors gives floors)."""
+    start = np.array([0.0, 0.0, NEG, 0.0, 0.0, 0.0])
+    floors = [{(None, False): start}]
+    for table, _ in tables:
+        out: dict[tuple, np.ndarray] = {}
+        for context, menu in table.items():
+            row = floors[-1].get(context)
+            if row is None:
+                continue
+            x = row[None, :]
+            p = np.maximum(np.maximum(menu.cascade[:, 0], menu.cascade[:, 1] + x[0, P]),
+                           np.maximum(menu.cascade[:, 2] + x[0, N], menu.cascade[:, 3] + x[0, NR]))
+            n = menu.net + np.where(menu.nested, x[0, NR], 0.0)
+            p = np.where(menu.has_cascade, p, NEG)
+            nr = np.where(menu.has_cascade, n - menu.freed, 0.0)
+            n = np.where(menu.has_cascade, n, 0.0)
+            for index, key in enumerate(menu.keys):
+                sel = menu.key == index
+                low = np.array([0.0, 0.0, p[sel].min(), n[sel].min(), nr[sel].min(), 0.0])
+                out[key] = np.minimum(out[key], low) if key in out else low
+        floors.append({_context(key): row for key, row in out.items()})
+    return floors
+
+
+def _context(key: tuple) -> tuple:
+    """The table context that a state with outcome `key` enters next."""
+    mode, delta = key
+    return (mode, delta if mode in DROPPED else False)
 
 
 def _key(opt: Option) -> tuple:
