@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ortools.sat.python import cp_model
 
@@ -121,6 +121,8 @@ class CanonicalModel:
         """min_peak: minimize the peak (the budget ignored) instead of the cost."""
         self.problem = problem
         self.min_peak = min_peak
+        # (variable, how to compute it from already computed values): complete hints.
+        self.defs: list[tuple[cp_model.IntVar, Callable[[Callable], int]]] = []
         self.data = _data(problem)
         self.model = cp_model.CpModel()
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
@@ -166,14 +168,17 @@ class CanonicalModel:
             feeds = [self.rec[c] for c in d.children[v]]
             if v in d.first_read:
                 m.add(self.need[v] == 1)
+                self._def(self.need[v], lambda val: 1)
             elif feeds:
                 m.add_max_equality(self.need[v], feeds)
+                self._def(self.need[v], lambda val, f=feeds: max(val(x) for x in f))
             else:
                 m.add(self.need[v] == 0)
+                self._def(self.need[v], lambda val: 0)
             # rec_v / reload_v: dropped (offloaded) and needed.
-            self.rec[v] = _and(m, f"rec_{v}", self.drop[v], self.need[v])
+            self.rec[v] = self._and(f"rec_{v}", self.drop[v], self.need[v])
             if v in self.off:
-                self.reload[v] = _and(m, f"reload_{v}", self.off[v], self.need[v])
+                self.reload[v] = self._and(f"reload_{v}", self.off[v], self.need[v])
             if not nodes[v].recomputable:
                 m.add(self.rec[v] == 0)  # dropping it is valid only if nothing needs it
             # Symmetry: an unneeded value is saved (SAVE and RECOMPUTE are the same plan).
@@ -184,9 +189,11 @@ class CanonicalModel:
                 t = m.new_int_var(0, big, f"fnterm_{v}_{c}")
                 m.add(t == self.fn[c]).only_enforce_if(self.rec[c])
                 m.add(t == big).only_enforce_if(self.rec[c].Not())
+                self._def(t, lambda val, r=self.rec[c], f=self.fn[c]: val(f) if val(r) else big)
                 terms.append(t)
             self.fn[v] = m.new_int_var(0, big, f"fn_{v}")
             m.add_min_equality(self.fn[v], terms or [big])
+            self._def(self.fn[v], lambda val, ts=tuple(terms): min((val(t) for t in ts), default=big))
             # lr_v: last read of v's backward instance (a lower bound is enough: a
             # longer life only costs memory).
             self.lr[v] = m.new_int_var(-1, big, f"lr_{v}")
@@ -194,6 +201,9 @@ class CanonicalModel:
                 m.add(self.lr[v] >= d.last_read[v])
             for c in d.children[v]:
                 m.add(self.lr[v] >= self.fn[c] - 1).only_enforce_if(self.rec[c])
+            reads = tuple((self.rec[c], self.fn[c]) for c in d.children[v])
+            self._def(self.lr[v], lambda val, rs=reads, last=d.last_read.get(v, -1):
+                      max([last] + [val(f) - 1 for r, f in rs if val(r)]))
 
     # ---- storages and what binds to them ----
 
@@ -213,35 +223,40 @@ class CanonicalModel:
                 places.setdefault(f"R{v}", []).append(self.rec[v])
             else:
                 for key, lit in self.bind.get(nodes[v].alias_of, {}).items():
-                    places.setdefault(key, []).append(_and(m, f"via_{v}_{key}", self.rec[v], lit))
+                    places.setdefault(key, []).append(self._and(f"via_{v}_{key}", self.rec[v], lit))
             if v in self.reload:
                 places[f"L{v}"] = [self.reload[v]]
-            self.bind[v] = {key: _or(m, f"bind_{v}_{key}", lits) for key, lits in places.items()}
-        for s, end in d.forward_end.items():
-            if nodes[s].out_bytes > 0:
-                key = f"F{s}"
-                ends[key] = m.new_int_var(end, d.n_steps - 1, f"end_{key}")
-                self._interval(key, d.step[s], ends[key], None, nodes[s].out_bytes)
-        for v in d.decision:
-            if nodes[v].alias_of is None and nodes[v].out_bytes > 0:
-                key = f"R{v}"
-                ends[key] = m.new_int_var(-1, d.n_steps - 1, f"end_{key}")
-                self._interval(key, self.fn[v], ends[key], self.rec[v], nodes[v].out_bytes)
-            if v in self.reload and nodes[v].out_bytes > 0:
-                key = f"L{v}"
-                ends[key] = m.new_int_var(-1, d.n_steps - 1, f"end_{key}")
-                self._interval(key, self.fn[v], ends[key], self.reload[v], nodes[v].out_bytes)
+            self.bind[v] = {key: self._or(f"bind_{v}_{key}", lits) for key, lits in places.items()}
         # A storage lives until the last read of every instance bound to it.
+        readers: dict[str, list] = {}
         for v, places in self.bind.items():
             for key, lit in places.items():
-                if key in ends:
-                    m.add(ends[key] >= self.lr[v]).only_enforce_if(lit)
+                readers.setdefault(key, []).append((lit, self.lr[v]))
+        for s, end in d.forward_end.items():
+            if nodes[s].out_bytes > 0:
+                self._storage(f"F{s}", d.step[s], end, None, nodes[s].out_bytes, readers)
+        for v in d.decision:
+            if nodes[v].alias_of is None and nodes[v].out_bytes > 0:
+                self._storage(f"R{v}", self.fn[v], -1, self.rec[v], nodes[v].out_bytes, readers)
+            if v in self.reload and nodes[v].out_bytes > 0:
+                self._storage(f"L{v}", self.fn[v], -1, self.reload[v], nodes[v].out_bytes, readers)
+
+    def _storage(self, key: str, start, lowest: int, present, size_bytes: int, readers: dict) -> None:
+        """One storage's live interval, ending at the last read of what binds to it."""
+        m = self.model
+        end = m.new_int_var(lowest, self.data.n_steps - 1, f"end_{key}")
+        for lit, lr in readers.get(key, ()):
+            m.add(end >= lr).only_enforce_if(lit)
+        self._def(end, lambda val, rs=tuple(readers.get(key, ())): max([lowest] + [val(lr) for lit, lr in rs if val(lit)]))
+        self._interval(key, start, end, present, size_bytes)
 
     def _interval(self, key: str, start, end: cp_model.IntVar, present, size_bytes: int) -> None:
         m = self.model
         stop = m.new_int_var(0, self.data.n_steps, f"stop_{key}")
         m.add(stop == end + 1)
+        self._def(stop, lambda val: val(end) + 1)
         length = m.new_int_var(0, self.data.n_steps, f"len_{key}")
+        self._def(length, lambda val: max(0, val(stop) - val(start)) if present is None or val(present) else 0)
         if present is None:
             iv = m.new_interval_var(start, length, stop, f"live_{key}")
         else:
@@ -336,12 +351,14 @@ class CanonicalModel:
             else:
                 z = m.new_bool_var(f"kept_{v}")
                 m.add(z >= self.save[v] + self.need[v] - 1)
+                self._def(z, lambda val, a=self.save[v], b=self.need[v]: val(a) * val(b))
                 lits.append(z)
         if len(lits) == 1:
             return lits[0]
         y = m.new_bool_var(f"live_{s}_{members[0]}_{len(members)}")
         for lit in lits:
             m.add_implication(lit, y)
+        self._def(y, lambda val, ls=tuple(lits): max(val(x) for x in ls))
         return y
 
     def _objective(self) -> None:
@@ -359,10 +376,57 @@ class CanonicalModel:
         return {Decision.SAVE: self.save, Decision.RECOMPUTE: self.drop, Decision.OFFLOAD: self.off}[d][v]
 
     def hint(self, decisions: Mapping[int, Decision]) -> None:
+        """Hint every variable: the decisions and all they imply (a complete hint lets
+        CP-SAT start from this plan at once)."""
         self.model.clear_hints()
+        decisions = self.canonical(decisions)
+        values: dict[int, int] = {}
         for v in self.data.decision:
             for d in self.problem.allowed(v):
-                self.model.add_hint(self.literal(v, d), decisions[v] is d)
+                values[self.literal(v, d).index] = int(decisions[v] is d)
+
+        def val(x) -> int:
+            return x if isinstance(x, int) else values[x.index]
+
+        for var, rule in self.defs:
+            values[var.index] = rule(val)
+        for v in self.data.decision:
+            for d in self.problem.allowed(v):
+                lit = self.literal(v, d)
+                self.model.add_hint(lit, values[lit.index])
+        for var, _ in self.defs:
+            self.model.add_hint(var, values[var.index])
+
+    def canonical(self, decisions: Mapping[int, Decision]) -> dict[int, Decision]:
+        """The same plan with every never-needed value SAVE (the model's symmetry
+        breaking; SAVE and RECOMPUTE of such a value are the same schedule)."""
+        d, nodes = self.data, self.problem.nodes
+        out = dict(decisions)
+        rec: dict[int, bool] = {}
+        for v in reversed(d.decision):
+            need = v in d.first_read or any(rec[c] for c in d.children[v])
+            rec[v] = need and out[v] is Decision.RECOMPUTE
+            if not need:
+                out[v] = Decision.SAVE
+        return out
+
+    def _def(self, var, rule) -> None:
+        self.defs.append((var, rule))
+
+    def _and(self, name: str, a, b):
+        x = self.model.new_bool_var(name)
+        self.model.add_bool_and([a, b]).only_enforce_if(x)
+        self.model.add_bool_or([a.Not(), b.Not()]).only_enforce_if(x.Not())
+        self._def(x, lambda val: val(a) * val(b))
+        return x
+
+    def _or(self, name: str, lits: list):
+        if len(lits) == 1:
+            return lits[0]
+        x = self.model.new_bool_var(name)
+        self.model.add_max_equality(x, lits)
+        self._def(x, lambda val: max(val(y) for y in lits))
+        return x
 
     def forbid(self, decisions: Mapping[int, Decision]) -> None:
         """A no-good: this exact plan does not fit (simulate says so)."""
@@ -394,21 +458,6 @@ def _runs(d: _Data, groups: dict[int, list[int]], earliest: dict[int, int], limi
     if len(runs) > limit:
         runs = [runs[round(k * (len(runs) - 1) / (limit - 1))] for k in range(limit)]
     return runs
-
-
-def _and(m: cp_model.CpModel, name: str, a, b):
-    x = m.new_bool_var(name)
-    m.add_bool_and([a, b]).only_enforce_if(x)
-    m.add_bool_or([a.Not(), b.Not()]).only_enforce_if(x.Not())
-    return x
-
-
-def _or(m: cp_model.CpModel, name: str, lits: list):
-    if len(lits) == 1:
-        return lits[0]
-    x = m.new_bool_var(name)
-    m.add_max_equality(x, lits)
-    return x
 
 
 def _scale(costs: list[float]) -> float:
