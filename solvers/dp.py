@@ -30,7 +30,7 @@ from solvers import dp_fronts as fronts
 from solvers.dp_fronts import DROPPED, Option, local_peak, next_summary
 from solvers.dp_local import NEG, BlockEvaluator, InvalidLocal, Local
 from solvers.dp_structure import Block, BlockSequence, analyze
-from solvers.problem import Decision, Phase, Plan, Problem
+from solvers.problem import Decision, Plan, Problem
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import evaluate
 

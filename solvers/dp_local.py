@@ -176,61 +176,13 @@ class _Run:
         """Local live bytes at each step (simulate._account restricted to this block's
         storages and a_{b-1}; a_b is left out between MID and POST, where block b+1
         counts it)."""
-        nodes, ev = self.nodes, self.ev
-        newest: dict[int, int] = {}
-        inst_storage: list[int] = []
-        inst_end: list[int] = []
-        s_bytes: list[int] = []
-        s_start: list[int] = []
-        s_owner: list[int] = []
-
-        def new_storage(i: int, k: int, size: int) -> None:
-            newest[i] = len(inst_storage)
-            inst_storage.append(len(s_bytes))
-            inst_end.append(k)
-            s_bytes.append(size)
-            s_start.append(k)
-            s_owner.append(i)
-
-        def read(j: int, k: int) -> None:
-            inst = newest.get(j)
-            if inst is not None and inst_end[inst] < k:
-                inst_end[inst] = k
-
-        if self.prev is not None:  # its forward instance: alive from the start while read
-            new_storage(self.prev, 0, nodes[self.prev].out_bytes)
-            inst_end[0] = -1
-        fwd_local = ev.fwd_local
-        for k, (kind, i, _) in enumerate(steps):
-            if kind in (FWD, REC, BWD):
-                for j in nodes[i].inputs:
-                    read(j, k)
-            elif kind in (MID, END) or kind == POST and delta:
-                read(i, k)
-            if kind == FWD and not fwd_local[k] or kind in (BWD, MID, POST, NEST, END):
-                continue
-            node = nodes[i]
-            if node.alias_of is not None and kind != REL:
-                if node.alias_of not in newest:  # a view of a parameter or input
-                    newest.pop(i, None)
-                    continue
-                newest[i] = len(inst_storage)
-                inst_storage.append(inst_storage[newest[node.alias_of]])
-                inst_end.append(k)
-            else:
-                new_storage(i, k, node.out_bytes)
-        s_end = [-1] * len(s_bytes)
-        for inst, s in enumerate(inst_storage):
-            if inst_end[inst] > s_end[s]:
-                s_end[s] = inst_end[inst]
         diff = [0] * (len(steps) + 1)
-        for s, size in enumerate(s_bytes):
-            a, e = s_start[s], s_end[s]
+        for size, a, e, owner in self.lifetimes(steps, delta):
             if not size or e < a:
                 continue
             diff[a] += size
             diff[e + 1] -= size
-            if s_owner[s] == self.boundary and self.mid >= 0:
+            if owner == self.boundary and self.mid >= 0:
                 lo, hi = max(a, self.mid), min(e, self.post)
                 if lo <= hi:
                     diff[lo] -= size
@@ -240,6 +192,29 @@ class _Run:
             live += diff[k]
             level.append(live)
         return level
+
+    def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> list[tuple[int, int, int, int]]:
+        """(bytes, first step, last step, owner node) of every local storage: an
+        instance lives until its last read, a storage until its last instance does."""
+        nodes, fwd_local = self.nodes, self.ev.fwd_local
+        st = _Instances()
+        if self.prev is not None:  # its forward instance: alive from the start while read
+            st.new(self.prev, 0, nodes[self.prev].out_bytes)
+            st.inst_end[0] = -1
+        for k, (kind, i, _) in enumerate(steps):
+            if kind in (FWD, REC, BWD):
+                for j in nodes[i].inputs:
+                    st.read(j, k)
+            elif kind in (MID, END) or kind == POST and delta:
+                st.read(i, k)
+            if kind == FWD and not fwd_local[k] or kind in (BWD, MID, POST, NEST, END):
+                continue
+            node = nodes[i]
+            if node.alias_of is None or kind == REL:
+                st.new(i, k, node.out_bytes)
+            else:
+                st.view(i, node.alias_of, k)
+        return st.storages()
 
     def summarize(self, steps: list[tuple[int, int, int]], level: list[int], delta: bool) -> Local:
         n_fwd = len(self.ev.block.forward_steps)
@@ -264,6 +239,46 @@ class _Run:
             cascade_nested=nested,
             cascade_freed=freed,
         )
+
+
+class _Instances:
+    """Instances and storages as simulate._account keeps them (reads bind to the
+    newest instance; a view shares its base's storage)."""
+
+    def __init__(self) -> None:
+        self.newest: dict[int, int] = {}
+        self.inst_storage: list[int] = []
+        self.inst_end: list[int] = []
+        self.s_bytes: list[int] = []
+        self.s_start: list[int] = []
+        self.s_owner: list[int] = []
+
+    def new(self, i: int, k: int, size: int) -> None:
+        self.newest[i] = len(self.inst_storage)
+        self.inst_storage.append(len(self.s_bytes))
+        self.inst_end.append(k)
+        self.s_bytes.append(size)
+        self.s_start.append(k)
+        self.s_owner.append(i)
+
+    def view(self, i: int, base: int, k: int) -> None:
+        if base not in self.newest:  # a view of a parameter or input: no local storage
+            self.newest.pop(i, None)
+            return
+        self.newest[i] = len(self.inst_storage)
+        self.inst_storage.append(self.inst_storage[self.newest[base]])
+        self.inst_end.append(k)
+
+    def read(self, j: int, k: int) -> None:
+        inst = self.newest.get(j)
+        if inst is not None and self.inst_end[inst] < k:
+            self.inst_end[inst] = k
+
+    def storages(self) -> list[tuple[int, int, int, int]]:
+        end = [-1] * len(self.s_bytes)
+        for inst, s in enumerate(self.inst_storage):
+            end[s] = max(end[s], self.inst_end[inst])
+        return list(zip(self.s_bytes, self.s_start, end, self.s_owner))
 
 
 def _terms(

@@ -31,87 +31,16 @@ a no-good cut for each one that does not).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers.dp_structure import static_profile
-from solvers.problem import Decision, Phase, Problem
+from solvers.ilp_data import model_data, runs
+from solvers.problem import Decision, Problem
 
 MAX_KNAPSACKS = 256
 """Most redundant knapsack rows added to the model (see CanonicalModel._knapsacks)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Data:
-    """What the model needs from the problem, in node-step time."""
-
-    n_steps: int
-    step: dict[int, int]
-    decision: tuple[int, ...]
-    children: dict[int, tuple[int, ...]]
-    first_read: dict[int, int]
-    last_read: dict[int, int]
-    forward_end: dict[int, int]
-    members: dict[int, tuple[int, ...]]
-    static: tuple[int, ...]
-
-
-def _data(problem: Problem) -> _Data:
-    nodes, root = problem.nodes, problem.storage_of
-    order = list(problem.forward_ids) + list(problem.backward_ids)
-    step = {i: k for k, i in enumerate(order)}
-    forever = len(order) - 1
-    decision = problem.decision_ids
-    dset = set(decision)
-    outputs = set(problem.outputs)
-    at, _, _ = static_profile(problem, dset)
-    children = {v: tuple(c for c in problem.users[v] if c in dset) for v in decision}
-    # End of every instance, through the views made of it (backward views of a saved
-    # activation keep its storage alive until their own last use).
-    inst_end: dict[int, int] = {}
-    for i in reversed(order):
-        end = forever if i in outputs else step[i]
-        for u in problem.users[i]:
-            end = max(end, step[u])
-            if nodes[u].alias_of == i:
-                end = max(end, inst_end[u])
-        inst_end[i] = end
-    first_read, last_read = {}, {}
-    for v in decision:
-        reads = [(step[r], inst_end[r] if nodes[r].alias_of == v else step[r])
-                 for r in problem.users[v] if nodes[r].phase is Phase.BACKWARD]
-        if reads:
-            first_read[v] = min(a for a, _ in reads)
-            last_read[v] = max(b for _, b in reads)
-    forward_end: dict[int, int] = {}
-    members: dict[int, list[int]] = {}
-    for i in problem.forward_ids:
-        s = root[i]
-        if s not in dset:
-            continue
-        end = forever if i in outputs else step[i]
-        for u in problem.users[i]:
-            if nodes[u].phase is Phase.FORWARD:
-                end = max(end, step[u])
-                if nodes[u].alias_of == i and u not in dset:
-                    end = max(end, inst_end[u])
-        forward_end[s] = max(forward_end.get(s, 0), end)
-        if i in dset:
-            members.setdefault(s, []).append(i)
-    return _Data(
-        n_steps=len(order),
-        step=step,
-        decision=decision,
-        children=children,
-        first_read=first_read,
-        last_read=last_read,
-        forward_end=forward_end,
-        members={s: tuple(m) for s, m in members.items()},
-        static=tuple(at[i] for i in order),
-    )
 
 
 class CanonicalModel:
@@ -123,7 +52,7 @@ class CanonicalModel:
         self.min_peak = min_peak
         # (variable, how to compute it from already computed values): complete hints.
         self.defs: list[tuple[cp_model.IntVar, Callable[[Callable], int]]] = []
-        self.data = _data(problem)
+        self.data = model_data(problem)
         self.model = cp_model.CpModel()
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
         bw = problem.offload_bandwidth_bytes_per_s
@@ -208,11 +137,10 @@ class CanonicalModel:
     # ---- storages and what binds to them ----
 
     def _storages(self) -> None:
-        m, d, p = self.model, self.data, self.problem
+        d, p = self.data, self.problem
         nodes, root = p.nodes, p.storage_of
         self.intervals: list[tuple[cp_model.IntervalVar, int]] = []
         self.bind: dict[int, dict[str, cp_model.IntVar]] = {}
-        ends: dict[str, cp_model.IntVar] = {}
         for v in d.decision:
             s = root[v]
             places: dict[str, list] = {}
@@ -312,7 +240,7 @@ class CanonicalModel:
             if s in d.forward_end and nodes[s].out_bytes > 0:
                 groups.setdefault(s, []).append(v)
         tightest: dict[tuple, tuple[int, int]] = {}
-        for t, top in _runs(d, groups, earliest, MAX_KNAPSACKS):
+        for t, top in runs(d, groups, earliest, MAX_KNAPSACKS):
             live, fixed = [], 0
             for s, vs in groups.items():
                 if d.step[s] > t:
@@ -400,7 +328,7 @@ class CanonicalModel:
     def canonical(self, decisions: Mapping[int, Decision]) -> dict[int, Decision]:
         """The same plan with every never-needed value SAVE (the model's symmetry
         breaking; SAVE and RECOMPUTE of such a value are the same schedule)."""
-        d, nodes = self.data, self.problem.nodes
+        d = self.data
         out = dict(decisions)
         rec: dict[int, bool] = {}
         for v in reversed(d.decision):
@@ -439,25 +367,6 @@ class CanonicalModel:
                 if solver.boolean_value(self.literal(v, d)):
                     out[v] = d
         return out
-
-
-def _runs(d: _Data, groups: dict[int, list[int]], earliest: dict[int, int], limit: int):
-    """(first step, largest static bytes) of the runs of node steps over which no
-    storage changes between absent / fixed / live-if-saved, at most `limit` of them
-    (evenly spread: fewer knapsacks give a weaker but still valid bound)."""
-    cuts = {0, d.n_steps}
-    for s, vs in groups.items():
-        cuts.update((d.step[s], d.forward_end[s] + 1))
-        for v in vs:
-            if v in d.first_read:
-                cuts.update((d.first_read[v], d.last_read[v] + 1))
-            else:
-                cuts.add(earliest[v])
-    cuts = sorted(c for c in cuts if 0 <= c <= d.n_steps)
-    runs = [(a, max(d.static[a:b])) for a, b in zip(cuts, cuts[1:]) if b > a]
-    if len(runs) > limit:
-        runs = [runs[round(k * (len(runs) - 1) / (limit - 1))] for k in range(limit)]
-    return runs
 
 
 def _scale(costs: list[float]) -> float:
