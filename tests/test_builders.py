@@ -3,7 +3,6 @@ named builders' shapes and speed."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -188,9 +187,7 @@ def test_unet_long_skips_have_view_gradients():
         lambda: builders.transformer(150, dropout=True),
     ],
 )
-def test_10k_node_problems_build_fast(make):
-    started = time.perf_counter()
+def test_10k_node_problems_build(make):
+    # Build time (~0.15 s unloaded) is a benchmark fact (bench/solvers.py), not asserted here.
     p = make()
-    elapsed = time.perf_counter() - started
     assert len(p.nodes) >= 9_000
-    assert elapsed < 1.0  # ~0.15 s unloaded, the default budget's simulate included

@@ -114,7 +114,7 @@ def test_bounds_are_honest_under_a_short_time_limit(fraction):
     assert plan.lower_bound_s is not None and plan.lower_bound_s <= plan.objective_s
     if plan.status is Status.OPTIMAL:
         assert plan.lower_bound_s == plan.objective_s
-    assert plan.solve_s < 2.0 + 3.0  # the limit plus model building on a loaded machine
+    assert plan.solve_s < 2.0 + 10.0  # the time limit is honoured (plus model building, loaded machine)
     greedy = solve(problem, "chen-greedy")
     assert plan.objective_s <= greedy.objective_s  # never worse than its warm start
 

