@@ -9,6 +9,7 @@ end can build problems, the joint graphs of the public test models (remat.zoo); 
     python bench/solvers.py                      # everything (about 10 minutes)
     python bench/solvers.py --sizes 100 1000 --families transformer --budgets 0.5
     python bench/solvers.py --zoo --families --json results.json
+    python bench/solvers.py --backends           # why CP-SAT: the MIP under SCIP / CBC
 
 Columns: status (opt = OPTIMAL, feas = FEASIBLE, inf = INFEASIBLE, n/a = the solver
 refused the structure), seconds, objective (extra seconds of the step), lower bound,
@@ -131,7 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="ilp's CP-SAT workers")
     parser.add_argument("--zoo", action="store_true", help="also the public test models' joint graphs")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--backends", action="store_true",
+                        help="only compare CP-SAT with a time-indexed MIP under SCIP and CBC")
     args = parser.parse_args(argv)
+    if args.backends:
+        compare_backends(args.time_limit)
+        return
     problems = {f"{family}-{size}": FAMILIES[family](size) for family in args.families for size in args.sizes}
     if args.zoo:
         problems.update(zoo_problems())
@@ -139,6 +145,101 @@ def main(argv: list[str] | None = None) -> None:
     rows = bench(problems, args.budgets, args.solvers, args.time_limit, args.workers)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+
+
+
+# ---- why CP-SAT: the same node-step model as a time-indexed MIP (SCIP / CBC) ----
+
+
+def mip_model(problem: Problem, backend: str):
+    """ilp_model's node-step model as a time-indexed MIP, for problems without views or
+    offload: y[v,t] = "v brought back by node t", q[v,t] = "v read at or after t",
+    a[v,t] = "v's storage live at t"; memory <= budget at every node step."""
+    from ortools.linear_solver import pywraplp
+
+    from solvers.ilp_data import model_data
+
+    d, nodes = model_data(problem), problem.nodes
+    if any(nodes[v].alias_of is not None for v in d.decision) or problem.offload_bandwidth_bytes_per_s:
+        raise ValueError("the MIP comparison covers problems without views or offload")
+    mip = pywraplp.Solver.CreateSolver(backend)
+    F = len(problem.forward_ids)
+    back = range(F, d.n_steps)
+    save, rec, need, y, q = {}, {}, {}, {}, {}
+    for v in reversed(d.decision):
+        save[v], rec[v], need[v] = (mip.BoolVar(f"{k}_{v}") for k in ("save", "rec", "need"))
+        drop = 1 - save[v]
+        mip.Add(rec[v] <= drop)
+        mip.Add(rec[v] <= need[v])
+        mip.Add(rec[v] >= drop + need[v] - 1)
+        if not nodes[v].recomputable:
+            mip.Add(rec[v] == 0)
+        mip.Add(save[v] >= 1 - need[v])
+        kids = d.children[v]
+        if v in d.first_read:
+            mip.Add(need[v] == 1)
+        else:
+            for c in kids:
+                mip.Add(need[v] >= rec[c])
+            mip.Add(need[v] <= sum(rec[c] for c in kids))
+        for t in back:
+            direct = int(v in d.first_read and d.first_read[v] <= t)
+            y[v, t] = mip.BoolVar(f"y_{v}_{t}")
+            ws = []
+            for c in kids:
+                mip.Add(y[v, t] >= rec[c] + y[c, t] - 1)
+                w = mip.BoolVar(f"w_{v}_{c}_{t}")
+                mip.Add(w <= rec[c])
+                mip.Add(w <= y[c, t])
+                ws.append(w)
+            mip.Add(y[v, t] >= direct)
+            mip.Add(y[v, t] <= direct + sum(ws))
+        for t in range(d.n_steps):
+            q[v, t] = mip.BoolVar(f"q_{v}_{t}")
+            mip.Add(q[v, t] >= int(v in d.last_read and t <= d.last_read[v]))
+            for c in kids:
+                mip.Add(q[v, t] >= rec[c] - (y[c, t] if t >= F else 0))
+    for t in range(d.n_steps):
+        live = []
+        for v in d.decision:
+            if d.step[v] > t or not nodes[v].out_bytes:
+                continue
+            if t <= d.forward_end[v]:
+                live.append(nodes[v].out_bytes)
+                continue
+            a = mip.BoolVar(f"a_{v}_{t}")
+            mip.Add(a >= save[v] + q[v, t] - 1)
+            if t >= F:
+                mip.Add(a >= rec[v] + y[v, t] + q[v, t] - 2)
+            live.append(nodes[v].out_bytes * a)
+        mip.Add(sum(live) <= problem.budget_bytes - d.static[t])
+    mip.Minimize(sum(nodes[v].compute_s * rec[v] for v in d.decision))
+    return mip
+
+
+def compare_backends(time_limit_s: float) -> None:
+    """CP-SAT (ilp, no warm start) against the MIP under SCIP and CBC on view-free problems."""
+    cases = {f"dag{n}": builders.random_dag(n, seed=n) for n in (10, 20, 40, 80)}
+    cases.update({f"chain{n}": builders.chain(n) for n in (20, 60)})
+    print("| problem | decision values | budget | backend | status | seconds | objective (s) |\n"
+          "|---|---:|---:|---|---|---:|---:|")
+    for name, base in cases.items():
+        for fraction in (0.5, 0.7):
+            problem = builders.with_budget_fraction(base, fraction)
+            head = f"| {name} | {len(problem.decision_ids)} | {fraction:.0%}"
+            started = time.perf_counter()
+            plan = solve(problem, "ilp", warm_start=(), time_limit_s=time_limit_s)
+            print(f"{head} | CP-SAT | {plan.status.value} | {time.perf_counter() - started:.2f} | "
+                  f"{plan.objective_s:.4g} |", flush=True)
+            for backend in ("SCIP", "CBC"):
+                started = time.perf_counter()
+                mip = mip_model(problem, backend)
+                mip.SetTimeLimit(int(time_limit_s * 1000))
+                status = mip.Solve()
+                seconds = time.perf_counter() - started
+                label = {0: "optimal", 1: "feasible", 2: "infeasible"}.get(status, "no solution")
+                value = mip.Objective().Value() if status in (0, 1) else float("nan")
+                print(f"{head} | {backend} | {label} | {seconds:.2f} | {value:.4g} |", flush=True)
 
 
 if __name__ == "__main__":
