@@ -269,18 +269,25 @@ class CanonicalModel:
                 m.add(sum(terms) <= room)
 
     def _live_if_saved(self, s: int, members: tuple[int, ...]):
-        """A literal that is true if one of `members` is saved (and, if no backward node
-        reads it, needed): the storage is then live."""
-        m, d = self.model, self.data
+        """A literal that is true if the storage is live: a member read later is saved,
+        or so is a view ancestor of it (a member recomputed later reads that ancestor's
+        saved instance, in this same storage); for a member no backward node reads, the
+        same once it is needed."""
+        m, d, nodes = self.model, self.data, self.problem.nodes
         lits = []
         for v in members:
-            if v in d.first_read:
-                lits.append(self.save[v])
-            else:
-                z = m.new_bool_var(f"kept_{v}")
-                m.add(z >= self.save[v] + self.need[v] - 1)
-                self._def(z, lambda val, a=self.save[v], b=self.need[v]: val(a) * val(b))
+            chain = [v]
+            while nodes[chain[-1]].alias_of in self.save:
+                chain.append(nodes[chain[-1]].alias_of)
+            for x in chain:
+                if v in d.first_read:
+                    lits.append(self.save[x])
+                    continue
+                z = m.new_bool_var(f"kept_{v}_{x}")
+                m.add(z >= self.save[x] + self.need[v] - 1)
+                self._def(z, lambda val, a=self.save[x], b=self.need[v]: val(a) * val(b))
                 lits.append(z)
+        lits = list(dict.fromkeys(lits))
         if len(lits) == 1:
             return lits[0]
         y = m.new_bool_var(f"live_{s}_{members[0]}_{len(members)}")
