@@ -42,8 +42,10 @@ BEAM_WIDTH = 16
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOptions(Options):
-    """Options of `dp` (time_limit_s, seed and workers are accepted and unused: the DP
-    is deterministic and single-threaded)."""
+    """Options of `dp`. time_limit_s bounds building the block tables (the part that
+    grows with block size): past it dp gives up with UnsupportedProblem (so `auto` and
+    `ilp` move on). seed and workers are unused: the DP is deterministic and
+    single-threaded."""
 
     max_block_configs: int = 1 << 14
     """Largest number of configurations enumerated for one block; a larger block makes
@@ -55,8 +57,9 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
     if not problem.decision_ids:
         return finish(problem, {}, "dp", started_s=started, optimal=True, lower_bound_s=0.0)
     limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
+    deadline = math.inf if options.time_limit_s is None else started + options.time_limit_s
     seq = analyze(problem)
-    tables = block_tables(problem, seq, limit)
+    tables = block_tables(problem, seq, limit, deadline)
     found = _cheapest(tables, seq.initial_bytes, problem.budget_bytes)
     feasible = found is not None
     if not feasible:
@@ -100,7 +103,8 @@ def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
 # ---- per-block tables ----
 
 
-def block_tables(problem: Problem, seq: BlockSequence, limit: int) -> list[tuple[dict, tuple[int, int]]]:
+def block_tables(problem: Problem, seq: BlockSequence, limit: int,
+                 deadline: float = math.inf) -> list[tuple[dict, tuple[int, int]]]:
     """For each block: context (mode of a_{b-1}, a_{b-1} brought back in block b) ->
     Pareto-pruned options. Identical blocks (same signature) share one table."""
     cache: dict[tuple, dict] = {}
@@ -109,7 +113,7 @@ def block_tables(problem: Problem, seq: BlockSequence, limit: int) -> list[tuple
         rel, offsets = _relative(block)
         sig = _signature(problem, rel)
         if sig not in cache:
-            cache[sig] = fronts.compile_table(_table(problem, rel, limit))
+            cache[sig] = fronts.compile_table(_table(problem, rel, limit, deadline))
         out.append((cache[sig], offsets))
     return out
 
@@ -128,12 +132,15 @@ def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
     return rel, (off_f, off_g)
 
 
-def _table(problem: Problem, block: Block, limit: int) -> dict:
+def _table(problem: Problem, block: Block, limit: int, deadline: float = math.inf) -> dict:
     evaluator = BlockEvaluator(problem, block)
     configs = enumerate_configs(problem, block, limit)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: dict[tuple, list[Option]] = {}
-    for config in configs:
+    for k, config in enumerate(configs):
+        if k % 256 == 0 and time.perf_counter() > deadline:
+            raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
+                                     f"({len(configs)} configurations); raise time_limit_s or use 'ilp'")
         mode_b = config[-1] if block.boundary is not None else None
         deltas = (False, True) if mode_b in DROPPED else (False,)
         for mode_prev in modes_prev:
