@@ -9,7 +9,13 @@ and replays the canonical schedule of the block's phases exactly (dp_local.py). 
 earlier blocks affect block b only through a constant K (bytes they keep alive) and,
 when the boundary a_{b-1} is dropped, the profile of recomputing it (P, N, NR), so a
 forward DP over blocks keeps, per (decision of a_b, "the suffix brings a_b back"), the
-Pareto front of (K, cost, P, N, NR): exact, in integer bytes, with no discretization.
+Pareto front of (K, cost, P, N, NR): exact, in integer bytes, with no discretization
+(dp_fronts.py). Speed: identical layers share one table (their static bytes differ by
+a constant); a backward pass over a relaxation (exact K when the kept bytes have a
+usable gcd, cascade summaries at their floors) bounds the cost of finishing from any
+partial plan; a beam search guided by it gives a plan, which is returned at once when
+it meets the bound, else the exact pass drops every partial plan whose cost plus bound
+exceeds the beam's cost. 10,000-node transformer stacks solve in 1-2 s.
 
 What dp cannot handle it refuses with UnsupportedProblem (no block sequence, a block
 with more configurations than `max_block_configs`). Its claims are checked: the final
