@@ -15,19 +15,11 @@ from solvers import builders
 from solvers.dp import block_tables, predict
 from solvers.dp_local import InvalidLocal
 from solvers.dp_structure import analyze
+from oracles import REL, assert_equals_brute
 from strategies import COSTS, problems
 
-REL = dict(rel=1e-9, abs=1e-12)
 
 
-def assert_equals_brute(problem: Problem, plan) -> None:
-    oracle = solve(problem, "brute")
-    assert plan.status is oracle.status
-    if oracle.status is Status.OPTIMAL:
-        assert plan.objective_s == pytest.approx(oracle.objective_s, **REL)
-        assert plan.lower_bound_s == plan.objective_s
-    else:
-        assert plan.peak_bytes == oracle.peak_bytes  # the smallest reachable peak
 
 
 # ---- the decomposition is simulate ----

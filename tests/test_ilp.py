@@ -14,20 +14,12 @@ from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, 
 from solvers import builders, ilp_model
 from solvers.dp_structure import analyze
 from solvers.ilp import ILPOptions
+from oracles import REL, assert_equals_brute
 from strategies import problems
 
-REL = dict(rel=1e-9, abs=1e-12)
 MODEL_ONLY = dict(warm_start=())  # the CP-SAT model by itself, no heuristic seed
 
 
-def assert_equals_brute(problem: Problem, plan) -> None:
-    oracle = solve(problem, "brute")
-    assert plan.status is oracle.status
-    if oracle.status is Status.OPTIMAL:
-        assert plan.objective_s == pytest.approx(oracle.objective_s, **REL)
-        assert plan.lower_bound_s == plan.objective_s
-    else:
-        assert plan.peak_bytes == oracle.peak_bytes
 
 
 @settings(max_examples=150)

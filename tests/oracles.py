@@ -1,0 +1,17 @@
+"""Oracle checks shared by the exact-solver tests."""
+
+import pytest
+
+from solvers import Problem, Status, solve
+
+REL = dict(rel=1e-9, abs=1e-12)
+
+
+def assert_equals_brute(problem: Problem, plan) -> None:
+    oracle = solve(problem, "brute")
+    assert plan.status is oracle.status
+    if oracle.status is Status.OPTIMAL:
+        assert plan.objective_s == pytest.approx(oracle.objective_s, **REL)
+        assert plan.lower_bound_s == plan.objective_s
+    else:
+        assert plan.peak_bytes == oracle.peak_bytes  # on INFEASIBLE: the smallest reachable peak
