@@ -39,15 +39,17 @@ from ortools.sat.python import cp_model
 from solvers.ilp_data import model_data, runs
 from solvers.problem import Decision, Problem
 
-MAX_KNAPSACKS = 256
+MAX_KNAPSACKS = 1024
 """Most redundant knapsack rows added to the model (see CanonicalModel._knapsacks)."""
 
 
 class CanonicalModel:
     """Builds the model once; `solve` may be called again after `forbid`."""
 
-    def __init__(self, problem: Problem, *, min_peak: bool = False) -> None:
-        """min_peak: minimize the peak (the budget ignored) instead of the cost."""
+    def __init__(self, problem: Problem, *, min_peak: bool = False, cumulative: bool = True) -> None:
+        """min_peak: minimize the peak (the budget ignored) instead of the cost.
+        cumulative=False: the knapsack rows alone bound the memory (a looser, much faster
+        relaxation, which `strengthen` tightens; ilp.py's row generation)."""
         self.problem = problem
         self.min_peak = min_peak
         # (variable, how to compute it from already computed values): complete hints.
@@ -62,7 +64,8 @@ class CanonicalModel:
         self._decisions()
         self._demand()
         self._storages()
-        self._memory()
+        if cumulative or min_peak:
+            self._memory()
         if min_peak:
             self.model.minimize(self.peak)
         else:
@@ -224,57 +227,141 @@ class CanonicalModel:
         live whatever its decision; a value first read after t is live if saved; a value
         only recomputations read is live if saved and needed, until the earliest step a
         recomputation reading it can run (E_v, the earliest first read below it):
-        static_t + fixed_t + sum(bytes * live) <= budget. One constraint per distinct
-        live set (at its tightest step)."""
-        m, d, p = self.model, self.data, self.problem
+        a value first read after t is also live if a child read around t is recomputed
+        (that pulled it back early): static_t + fixed_t + sum(bytes * live) <= budget.
+        One constraint per distinct live set (at its tightest step)."""
+        d, p = self.data, self.problem
         nodes, root = p.nodes, p.storage_of
-        earliest: dict[int, int] = {}
+        self._earliest = earliest = {}
         for v in reversed(d.decision):
             cands = [earliest[c] for c in d.children[v]]
             if v in d.first_read:
                 cands.append(d.first_read[v])
             earliest[v] = min(cands, default=d.n_steps)
-        groups: dict[int, list[int]] = {}
+        self._groups = groups = {}
         for v in d.decision:
             s = root[v]
             if s in d.forward_end and nodes[s].out_bytes > 0:
                 groups.setdefault(s, []).append(v)
+        self._alive, self._by_memo, self._waits = {}, {}, {}
+        self.strengthened: set[int] = set()
         tightest: dict[tuple, tuple[int, int]] = {}
         for t, top in runs(d, groups, earliest, MAX_KNAPSACKS):
-            live, fixed = [], 0
-            for s, vs in groups.items():
-                if d.step[s] > t:
-                    continue
-                if any(v in d.first_read and d.first_read[v] <= t <= d.last_read[v] for v in vs):
-                    fixed += 0 if self.off else nodes[s].out_bytes
-                    continue
-                if t <= d.forward_end[s]:
-                    fixed += nodes[s].out_bytes
-                    continue
-                later = tuple(v for v in vs if (d.first_read[v] > t if v in d.first_read else earliest[v] > t))
-                if later:
-                    live.append((s, later))
+            room, live = self._row(t, top)
             key = tuple(live)
-            room = p.budget_bytes - top - fixed
             if key not in tightest or room < tightest[key][0]:
                 tightest[key] = (room, t)
-        alive: dict[tuple, object] = {}
         for live, (room, _) in tightest.items():
-            terms = []
-            for s, later in live:
-                if later not in alive:
-                    alive[later] = self._live_if_saved(s, later)
-                terms.append(nodes[s].out_bytes * alive[later])
-            if terms:
-                m.add(sum(terms) <= room)
+            self._add_row(room, live)
 
-    def _live_if_saved(self, s: int, members: tuple[int, ...]):
+    def strengthen(self, t: int) -> None:
+        """The knapsack row of node step t, also counting saved values kept for a
+        recomputation that runs after t (see _waiting): valid for every plan, added
+        where a relaxed solution overflows (ilp.py's row generation)."""
+        if t in self.strengthened:
+            return
+        self.strengthened.add(t)
+        room, live = self._row(t, self.data.static[t], waits=True)
+        self._add_row(room, live)
+
+    def _row(self, t: int, top: int, waits: bool = False):
+        """(room, live): the bytes left under the budget at node step t once static and
+        fixed bytes are counted, and per storage that may be live, why."""
+        d, p = self.data, self.problem
+        nodes, earliest = p.nodes, self._earliest
+        live, fixed = [], 0
+        for s, vs in self._groups.items():
+            if d.step[s] > t:
+                continue
+            if any(v in d.first_read and d.first_read[v] <= t <= d.last_read[v] for v in vs):
+                fixed += 0 if self.off else nodes[s].out_bytes
+                continue
+            if t <= d.forward_end[s]:
+                fixed += nodes[s].out_bytes
+                continue
+            later = tuple(v for v in vs if (d.first_read[v] > t if v in d.first_read else earliest[v] > t))
+            # Pulled early: a child read around t that is recomputed brought a member
+            # read after t back before t; it stays until that read.
+            pulls = tuple(sorted({c for v in later if v in d.first_read for c in d.children[v]
+                                  if c in d.first_read and d.first_read[c] <= t <= d.last_read[c]}))
+            kept = ()
+            if waits:
+                kept = tuple((v, c, t) for v in vs for c in d.children[v]
+                             if not (c in d.first_read and d.first_read[c] <= t))
+            if later or kept:
+                live.append((s, later, pulls, kept))
+        return p.budget_bytes - top - fixed, live
+
+    def _add_row(self, room: int, live: list) -> None:
+        terms = []
+        for s, *why in live:
+            why = tuple(why)
+            if why not in self._alive:
+                self._alive[why] = self._live_if_saved(s, *why)
+            if self._alive[why] is not None:
+                terms.append(self.problem.nodes[s].out_bytes * self._alive[why])
+        if terms:
+            self.model.add(sum(terms) <= room)
+
+    def _waiting(self, v: int, c: int, t: int):
+        """save_v, c recomputed, and c not yet brought back at node step t: its
+        recomputation, after t, reads v's saved instance, which lives through t."""
+        key = (v, c, t)
+        if key not in self._waits:
+            m = self.model
+            z = m.new_bool_var(f"wait_{v}_{c}_{t}")
+            by = self._by(c, t)
+            if by is None:
+                m.add(z >= self.save[v] + self.rec[c] - 1)
+                self._def(z, lambda val, a=self.save[v], b=self.rec[c]: val(a) * val(b))
+            else:
+                m.add(z >= self.save[v] + self.rec[c] - by - 1)
+                self._def(z, lambda val, a=self.save[v], b=self.rec[c], e=by: val(a) * val(b) * (1 - val(e)))
+            self._waits[key] = z
+        return self._waits[key]
+
+    def _by(self, c: int, t: int):
+        """A literal true if c, first read after t (or never), is brought back by node
+        step t (fn_c <= t); None if no plan does that. It needs a recomputed child k
+        brought back by t: k read by then, or itself brought back by t."""
+        key = (c, t)
+        if key in self._by_memo:
+            return self._by_memo[key]
+        m, d = self.model, self.data
+        reasons = []
+        for k in d.children[c]:
+            if self._earliest[k] > t:
+                continue
+            if k in d.first_read and d.first_read[k] <= t:
+                reasons.append(self.rec[k])
+                continue
+            sub = self._by(k, t)
+            if sub is None:
+                continue
+            q = m.new_bool_var(f"by_{c}_{t}_via_{k}")
+            m.add_implication(q, self.rec[k])
+            m.add_implication(q, sub)
+            self._def(q, lambda val, r=self.rec[k], f=self.fn[k]: int(bool(val(r)) and val(f) <= t))
+            reasons.append(q)
+        if not reasons:
+            self._by_memo[key] = None
+            return None
+        e = m.new_bool_var(f"by_{c}_{t}")
+        m.add_bool_or(reasons).only_enforce_if(e)
+        self._def(e, lambda val, f=self.fn[c]: int(val(f) <= t))
+        self._by_memo[key] = e
+        return e
+
+    def _live_if_saved(self, s: int, members: tuple[int, ...], pulls: tuple[int, ...] = (),
+                       kept: tuple[tuple[int, int, int], ...] = ()):
         """A literal that is true if the storage is live: a member read later is saved,
         or so is a view ancestor of it (a member recomputed later reads that ancestor's
         saved instance, in this same storage); for a member no backward node reads, the
-        same once it is needed."""
+        same once it is needed; or one of `pulls` (children already read) is
+        recomputed, which brought a member back early; or a `kept` wait holds. None if
+        nothing can keep it live."""
         m, d, nodes = self.model, self.data, self.problem.nodes
-        lits = []
+        lits = [self.drop[c] for c in pulls]
         for v in members:
             chain = [v]
             while nodes[chain[-1]].alias_of in self.save:
@@ -287,10 +374,13 @@ class CanonicalModel:
                 m.add(z >= self.save[x] + self.need[v] - 1)
                 self._def(z, lambda val, a=self.save[x], b=self.need[v]: val(a) * val(b))
                 lits.append(z)
+        lits += [self._waiting(v, c, t) for v, c, t in kept]
         lits = list(dict.fromkeys(lits))
+        if not lits:
+            return None
         if len(lits) == 1:
             return lits[0]
-        y = m.new_bool_var(f"live_{s}_{members[0]}_{len(members)}")
+        y = m.new_bool_var(f"live_{s}_{len(self._alive)}")
         for lit in lits:
             m.add_implication(lit, y)
         self._def(y, lambda val, ls=tuple(lits): max(val(x) for x in ls))

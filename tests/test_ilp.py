@@ -50,6 +50,65 @@ def test_model_equals_brute_on_random_dags_up_to_14_values(problem):
     assert_equals_brute(problem, solve(problem, "ilp", **MODEL_ONLY))
 
 
+@settings(max_examples=30)
+@given(problem=random_dags(max_values=9), seed=st.integers(0, 2**16))
+def test_every_strengthened_row_holds_for_every_fitting_plan(problem, seed):
+    """The rows row generation adds (at every node step here) are valid: each fitting
+    plan, fixed with all that it implies (the hint rules), satisfies the whole model."""
+    import itertools
+    import random
+
+    from ortools.sat.python import cp_model
+
+    model = ilp_model.CanonicalModel(problem, cumulative=False)
+    for t in range(model.data.n_steps):
+        model.strengthen(t)
+    choices = [problem.allowed(v) for v in problem.decision_ids]
+    plans = [dict(zip(problem.decision_ids, combo)) for combo in itertools.product(*choices)]
+    fitting = [(simulate(problem, plan).peak_bytes, k) for k, plan in enumerate(plans) if _fits(problem, plan)]
+    tight = [plans[k] for _, k in sorted(fitting, reverse=True)[:8]]  # the rows bind near the budget
+    others = [plans[k] for _, k in fitting]
+    for plan in tight + random.Random(seed).sample(others, min(4, len(others))):
+        model.hint(plan)
+        solver = cp_model.CpSolver()
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        solver.parameters.num_workers = 1
+        assert solver.solve(model.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), plan
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.5, 0.6, 0.7])
+@pytest.mark.parametrize("build", [lambda: builders.transformer(2, seq=64), lambda: builders.random_dag(40, seed=5)],
+                         ids=["transformer-2", "dag-40"])
+def test_strengthened_rows_hold_for_the_plans_solvers_find(build, fraction):
+    """The same on bigger graphs (long recomputation chains), for every fitting plan the
+    heuristics and ilp without row generation find."""
+    from ortools.sat.python import cp_model
+
+    problem = builders.with_budget_fraction(build(), fraction)
+    model = ilp_model.CanonicalModel(problem, cumulative=False)
+    for t in range(model.data.n_steps):
+        model.strengthen(t)
+    plans = [solve(problem, name) for name in ("chen-greedy", "greedy")]
+    plans.append(solve(problem, "ilp", rows_share=0.0, warm_start=(), time_limit_s=2.0))
+    for plan in plans:
+        if plan.peak_bytes > problem.budget_bytes:
+            continue
+        model.hint(plan.decisions)
+        solver = cp_model.CpSolver()
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        solver.parameters.num_workers = 1
+        assert solver.solve(model.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), plan.solver
+
+
+def _fits(problem: Problem, plan) -> bool:
+    from solvers.simulate import PlanError
+
+    try:
+        return simulate(problem, plan).fits
+    except PlanError:  # e.g. a needed value that must not be replayed, dropped
+        return False
+
+
 @settings(max_examples=40)
 @given(problem=problems(max_forward=6), extra=st.integers(1, 300))
 def test_more_budget_never_makes_ilp_worse(problem, extra):
