@@ -103,6 +103,8 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
     rows_until = time.perf_counter() + opts.rows_share * max(0.0, deadline - time.perf_counter() - margin)
     bound_s, exact = _generate_rows(problem, opts, rows_until, incumbent)
     if exact is not None:  # the relaxation's optimum fits: it is optimal
+        if incumbent is not None and incumbent[0] < bound_s:  # equal up to cost rounding: keep the warm start
+            exact, bound_s = incumbent[1], incumbent[0]
         return finish(problem, exact, "ilp", started_s=started, optimal=True, lower_bound_s=bound_s)
     model = CanonicalModel(problem)
     proven, cuts = False, 0
