@@ -9,9 +9,10 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Iterator
 
 from solvers.base import Options, finish
-from solvers.problem import Plan, Problem
+from solvers.problem import Decision, Evaluation, Plan, Problem
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import PlanError, evaluate
 
@@ -41,12 +42,7 @@ def solve_brute(problem: Problem, options: Options) -> Plan:
             "use an exact solver ('ilp', 'dp') or a heuristic ('chen-greedy') instead"
         )
     best_fit = best_any = None
-    for combo in itertools.product(*choices):
-        decisions = dict(zip(ids, combo))
-        try:
-            ev = evaluate(problem, decisions)
-        except PlanError:  # e.g. drops a non-recomputable value backward needs
-            continue
+    for decisions, ev in valid_plans(problem):
         # Strict comparisons keep the first combination in product (= lexicographic) order.
         if ev.fits and (best_fit is None or (ev.cost_s, ev.peak_bytes) < best_fit[0]):
             best_fit = ((ev.cost_s, ev.peak_bytes), decisions)
@@ -57,3 +53,16 @@ def solve_brute(problem: Problem, options: Options) -> Plan:
                       lower_bound_s=best_fit[0][0])
     # The all-SAVE plan is always valid, so best_any exists.
     return finish(problem, best_any[1], "brute", started_s=started)
+
+
+def valid_plans(problem: Problem) -> Iterator[tuple[dict[int, Decision], Evaluation]]:
+    """(decisions, simulate's evaluation) of every valid combination of allowed
+    decisions, in product (= lexicographic) order; invalid ones (e.g. dropping a
+    non-recomputable value backward needs) are skipped."""
+    ids = problem.decision_ids
+    for combo in itertools.product(*(problem.allowed(i) for i in ids)):
+        decisions = dict(zip(ids, combo))
+        try:
+            yield decisions, evaluate(problem, decisions)
+        except PlanError:
+            continue

@@ -311,12 +311,10 @@ class CanonicalModel:
             m = self.model
             z = m.new_bool_var(f"wait_{v}_{c}_{t}")
             by = self._by(c, t)
-            if by is None:
-                m.add(z >= self.save[v] + self.rec[c] - 1)
-                self._def(z, lambda val, a=self.save[v], b=self.rec[c]: val(a) * val(b))
-            else:
-                m.add(z >= self.save[v] + self.rec[c] - by - 1)
-                self._def(z, lambda val, a=self.save[v], b=self.rec[c], e=by: val(a) * val(b) * (1 - val(e)))
+            early = () if by is None else (by,)  # None: c cannot be back by t
+            m.add(z >= self.save[v] + self.rec[c] - sum(early) - 1)
+            self._def(z, lambda val, a=self.save[v], b=self.rec[c], e=early:
+                      val(a) * val(b) * (1 - sum(val(x) for x in e)))
             self._waits[key] = z
         return self._waits[key]
 

@@ -5,13 +5,16 @@ worse than its warm start or than dp and chen-greedy."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
 from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
 from solvers import builders, ilp_model
+from solvers.brute import valid_plans
 from solvers.dp_structure import analyze
 from solvers.ilp import ILPOptions
 from oracles import REL, assert_equals_brute
@@ -55,25 +58,13 @@ def test_model_equals_brute_on_random_dags_up_to_14_values(problem):
 def test_every_strengthened_row_holds_for_every_fitting_plan(problem, seed):
     """The rows row generation adds (at every node step here) are valid: each fitting
     plan, fixed with all that it implies (the hint rules), satisfies the whole model."""
-    import itertools
-    import random
-
-    from ortools.sat.python import cp_model
-
-    model = ilp_model.CanonicalModel(problem, cumulative=False)
-    for t in range(model.data.n_steps):
-        model.strengthen(t)
-    choices = [problem.allowed(v) for v in problem.decision_ids]
-    plans = [dict(zip(problem.decision_ids, combo)) for combo in itertools.product(*choices)]
-    fitting = [(simulate(problem, plan).peak_bytes, k) for k, plan in enumerate(plans) if _fits(problem, plan)]
-    tight = [plans[k] for _, k in sorted(fitting, reverse=True)[:8]]  # the rows bind near the budget
-    others = [plans[k] for _, k in fitting]
+    model = _strengthened_everywhere(problem)
+    fitting = sorted(((ev.peak_bytes, k, plan) for k, (plan, ev) in enumerate(valid_plans(problem)) if ev.fits),
+                     key=lambda r: r[:2], reverse=True)
+    tight = [plan for _, _, plan in fitting[:8]]  # the rows bind near the budget
+    others = [plan for _, _, plan in fitting]
     for plan in tight + random.Random(seed).sample(others, min(4, len(others))):
-        model.hint(plan)
-        solver = cp_model.CpSolver()
-        solver.parameters.fix_variables_to_their_hinted_value = True
-        solver.parameters.num_workers = 1
-        assert solver.solve(model.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), plan
+        assert _admits(model, plan), plan
 
 
 @pytest.mark.parametrize("fraction", [0.4, 0.5, 0.6, 0.7])
@@ -82,31 +73,30 @@ def test_every_strengthened_row_holds_for_every_fitting_plan(problem, seed):
 def test_strengthened_rows_hold_for_the_plans_solvers_find(build, fraction):
     """The same on bigger graphs (long recomputation chains), for every fitting plan the
     heuristics and ilp without row generation find."""
-    from ortools.sat.python import cp_model
-
     problem = builders.with_budget_fraction(build(), fraction)
-    model = ilp_model.CanonicalModel(problem, cumulative=False)
-    for t in range(model.data.n_steps):
-        model.strengthen(t)
+    model = _strengthened_everywhere(problem)
     plans = [solve(problem, name) for name in ("chen-greedy", "greedy")]
     plans.append(solve(problem, "ilp", rows_share=0.0, warm_start=(), time_limit_s=2.0))
     for plan in plans:
-        if plan.peak_bytes > problem.budget_bytes:
-            continue
-        model.hint(plan.decisions)
-        solver = cp_model.CpSolver()
-        solver.parameters.fix_variables_to_their_hinted_value = True
-        solver.parameters.num_workers = 1
-        assert solver.solve(model.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), plan.solver
+        if plan.peak_bytes <= problem.budget_bytes:
+            assert _admits(model, plan.decisions), plan.solver
 
 
-def _fits(problem: Problem, plan) -> bool:
-    from solvers.simulate import PlanError
+def _strengthened_everywhere(problem: Problem) -> ilp_model.CanonicalModel:
+    """The knapsack-rows model (no cumulative) with every node step's row strengthened."""
+    model = ilp_model.CanonicalModel(problem, cumulative=False)
+    for t in range(model.data.n_steps):
+        model.strengthen(t)
+    return model
 
-    try:
-        return simulate(problem, plan).fits
-    except PlanError:  # e.g. a needed value that must not be replayed, dropped
-        return False
+
+def _admits(model: ilp_model.CanonicalModel, decisions) -> bool:
+    """The model is satisfiable with every variable fixed to what `decisions` imply."""
+    model.hint(decisions)
+    solver = cp_model.CpSolver()
+    solver.parameters.fix_variables_to_their_hinted_value = True
+    solver.parameters.num_workers = 1
+    return solver.solve(model.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
 
 
 @settings(max_examples=40)
