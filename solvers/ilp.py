@@ -182,19 +182,27 @@ def _generate_rows(problem: Problem, opts: ILPOptions, until: float, incumbent):
 
 
 def _least_peak(problem: Problem, opts: ILPOptions, deadline: float, smallest: dict[int, Decision]):
-    """Nothing fits: the model minimizing the peak (exact at node steps) against the
-    smallest peak seen so far; simulate decides."""
-    seconds = deadline - time.perf_counter()
-    if seconds < MIN_PEAK_SEARCH_S:
-        return smallest
+    """Nothing fits: the plan with the smallest peak under simulate. The min-peak model
+    is exact at node steps only, so its peak is a lower bound on simulate's (a peak
+    inside a recomputation run can be higher). Loop: ask for a model peak below the best
+    simulated peak so far, simulate the answer, keep it if smaller, forbid it; an
+    infeasible model proves the best one smallest."""
+    best, best_ev = smallest, _simulate(problem, smallest)
     model = CanonicalModel(problem, min_peak=True)
     model.hint(smallest)
-    solver = _solver(opts, deadline - time.perf_counter(), len(problem.decision_ids))
-    if solver.solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return smallest
-    found = model.decisions_of(solver)
-    a, b = _simulate(problem, found), _simulate(problem, smallest)
-    return found if a is not None and (a.peak_bytes, a.cost_s) < (b.peak_bytes, b.cost_s) else smallest
+    for _ in range(opts.max_cuts + 1):
+        if deadline - time.perf_counter() < MIN_PEAK_SEARCH_S:
+            break
+        model.model.add(model.peak <= best_ev.peak_bytes - 1)
+        solver = _solver(opts, deadline - time.perf_counter(), len(problem.decision_ids))
+        if solver.solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break  # INFEASIBLE: no plan peaks lower (or time is up)
+        found = model.decisions_of(solver)
+        ev = _simulate(problem, found)
+        if ev is not None and ev.peak_bytes < best_ev.peak_bytes:
+            best, best_ev = found, ev
+        model.forbid(found)
+    return best
 
 
 def _finish_margin(problem: Problem, decisions: dict[int, Decision]) -> float:

@@ -8,7 +8,7 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
@@ -48,6 +48,9 @@ def random_dags(draw, max_values: int = 14) -> Problem:
 
 @settings(max_examples=40)
 @given(problem=random_dags())
+# Nothing fits and the smallest peak lies inside a recomputation run, where the
+# min-peak model does not look: ilp once returned a peak 30 B above brute's.
+@example(problem=builders.with_budget_fraction(builders.random_dag(7, seed=728, skip_prob=0.3, max_skip=2), 0.5))
 def test_model_equals_brute_on_random_dags_up_to_14_values(problem):
     assert len(problem.decision_ids) <= 14
     assert_equals_brute(problem, solve(problem, "ilp", **MODEL_ONLY))
