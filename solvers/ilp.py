@@ -83,7 +83,7 @@ class ILPOptions(Options):
     """Largest share of the time limit the warm start may use."""
     max_cuts: int = 1000
     """Most no-good cuts (solutions that simulate rejects) before stopping."""
-    rows_share: float = 0.4
+    rows_share: float = 0.6
     """Share of the time left after the warm start given to row generation (the lower
     bound); 0 skips it."""
 
@@ -157,7 +157,7 @@ def _generate_rows(problem: Problem, opts: ILPOptions, until: float, incumbent):
     while (remaining := until - time.perf_counter()) > 0:
         if incumbent is not None:
             rows.hint(incumbent[1])
-        solver = _solver(opts, remaining, len(problem.decision_ids))
+        solver = _solver(opts, remaining, len(problem.decision_ids), search=False)
         status = solver.solve(rows.model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
@@ -213,7 +213,8 @@ def _finish_margin(problem: Problem, decisions: dict[int, Decision]) -> float:
     return 0.05 + 3 * (time.perf_counter() - started)
 
 
-def _solver(opts: ILPOptions, seconds: float, n_values: int = 0) -> cp_model.CpSolver:
+def _solver(opts: ILPOptions, seconds: float, n_values: int = 0, *, search: bool = True) -> cp_model.CpSolver:
+    """search=False: the row-generation model, which needs a proof, not plans."""
     solver = cp_model.CpSolver()
     if n_values > LARGE_MODEL_VALUES:
         # Measured at 2,500 values (random_dag, 10k nodes): presolve probing takes ~15 s,
@@ -235,7 +236,9 @@ def _solver(opts: ILPOptions, seconds: float, n_values: int = 0) -> cp_model.CpS
     # against 0.055 s with the defaults), so those keep the defaults.
     if n_values <= LP_LEVEL2_VALUES:
         solver.parameters.linearization_level = 2
-        if opts.workers <= 1:
+        # The rows alone, one worker: without LNS interleaved, GPT-2 at 50% proves
+        # its first optimum in 0.24 s instead of 4.7 s.
+        if opts.workers <= 1 and search:
             solver.parameters.interleave_search = True
         else:
             solver.parameters.subsolvers.append("max_lp")

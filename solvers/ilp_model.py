@@ -284,12 +284,14 @@ class CanonicalModel:
             # read after t back before t; it stays until that read.
             pulls = tuple(sorted({c for v in later if v in d.first_read for c in d.children[v]
                                   if c in d.first_read and d.first_read[c] <= t <= d.last_read[c]}))
-            kept = ()
+            kept, brought = (), ()
             if waits:
                 kept = tuple((v, c, t) for v in vs for c in d.children[v]
                              if not (c in d.first_read and d.first_read[c] <= t))
+                # Brought back by t through a chain of recomputations (any depth).
+                brought = tuple((v, t) for v in later if v in d.first_read)
             if later or kept:
-                live.append((s, later, pulls, kept))
+                live.append((s, later, pulls, kept, brought))
         return p.budget_bytes - top - fixed, live
 
     def _add_row(self, room: int, live: list) -> None:
@@ -319,9 +321,10 @@ class CanonicalModel:
         return self._waits[key]
 
     def _by(self, c: int, t: int):
-        """A literal true if c, first read after t (or never), is brought back by node
-        step t (fn_c <= t); None if no plan does that. It needs a recomputed child k
-        brought back by t: k read by then, or itself brought back by t."""
+        """A literal equal to "c, first read after t (or never), is brought back by node
+        step t" (fn_c <= t); None if no plan does that. That holds exactly when a
+        recomputed child k is brought back by t: k read by then, or itself brought back
+        by t."""
         key = (c, t)
         if key in self._by_memo:
             return self._by_memo[key]
@@ -339,6 +342,7 @@ class CanonicalModel:
             q = m.new_bool_var(f"by_{c}_{t}_via_{k}")
             m.add_implication(q, self.rec[k])
             m.add_implication(q, sub)
+            m.add_bool_or([self.rec[k].Not(), sub.Not(), q])
             self._def(q, lambda val, r=self.rec[k], f=self.fn[k]: int(bool(val(r)) and val(f) <= t))
             reasons.append(q)
         if not reasons:
@@ -346,33 +350,44 @@ class CanonicalModel:
             return None
         e = m.new_bool_var(f"by_{c}_{t}")
         m.add_bool_or(reasons).only_enforce_if(e)
+        for r in reasons:
+            m.add_implication(r, e)
         self._def(e, lambda val, f=self.fn[c]: int(val(f) <= t))
         self._by_memo[key] = e
         return e
 
     def _live_if_saved(self, s: int, members: tuple[int, ...], pulls: tuple[int, ...] = (),
-                       kept: tuple[tuple[int, int, int], ...] = ()):
+                       kept: tuple[tuple[int, int, int], ...] = (), brought: tuple[tuple[int, int], ...] = ()):
         """A literal that is true if the storage is live: a member read later is saved,
         or so is a view ancestor of it (a member recomputed later reads that ancestor's
         saved instance, in this same storage); for a member no backward node reads, the
         same once it is needed; or one of `pulls` (children already read) is
-        recomputed, which brought a member back early; or a `kept` wait holds. None if
-        nothing can keep it live."""
+        recomputed, which brought a member back early; or a member read later was
+        `brought` back by its step through a chain of recomputations; or a `kept` wait
+        holds. None if nothing can keep it live."""
         m, d, nodes = self.model, self.data, self.problem.nodes
         lits = [self.drop[c] for c in pulls]
         for v in members:
             chain = [v]
             while nodes[chain[-1]].alias_of in self.save:
                 chain.append(nodes[chain[-1]].alias_of)
-            for x in chain:
-                if v in d.first_read:
-                    lits.append(self.save[x])
+            for j, x in enumerate(chain):
+                # An ancestor's saved instance serves v only if v and the views between
+                # are recomputed: an offloaded one is reloaded into a storage of its own.
+                conds = [self.save[x]]
+                if any(y in self.off for y in chain[:j]):
+                    conds += [self.drop[y] for y in chain[:j]]
+                if v not in d.first_read:
+                    conds.append(self.need[v])
+                if len(conds) == 1:
+                    lits.append(conds[0])
                     continue
                 z = m.new_bool_var(f"kept_{v}_{x}")
-                m.add(z >= self.save[x] + self.need[v] - 1)
-                self._def(z, lambda val, a=self.save[x], b=self.need[v]: val(a) * val(b))
+                m.add(z >= sum(conds) - (len(conds) - 1))
+                self._def(z, lambda val, cs=tuple(conds): math.prod(val(c) for c in cs))
                 lits.append(z)
         lits += [self._waiting(v, c, t) for v, c, t in kept]
+        lits += [x for v, t in brought if (x := self._by(v, t)) is not None]
         lits = list(dict.fromkeys(lits))
         if not lits:
             return None
@@ -402,6 +417,16 @@ class CanonicalModel:
         """Hint every variable: the decisions and all they imply (a complete hint lets
         CP-SAT start from this plan at once)."""
         self.model.clear_hints()
+        values = self.implied(decisions)
+        for v in self.data.decision:
+            for d in self.problem.allowed(v):
+                lit = self.literal(v, d)
+                self.model.add_hint(lit, values[lit.index])
+        for var, _ in self.defs:
+            self.model.add_hint(var, values[var.index])
+
+    def implied(self, decisions: Mapping[int, Decision]) -> dict[int, int]:
+        """The value of every variable (by index) that `decisions` imply."""
         decisions = self.canonical(decisions)
         values: dict[int, int] = {}
         for v in self.data.decision:
@@ -413,12 +438,22 @@ class CanonicalModel:
 
         for var, rule in self.defs:
             values[var.index] = rule(val)
-        for v in self.data.decision:
-            for d in self.problem.allowed(v):
-                lit = self.literal(v, d)
-                self.model.add_hint(lit, values[lit.index])
-        for var, _ in self.defs:
-            self.model.add_hint(var, values[var.index])
+        return values
+
+    def row_bytes(self, decisions: Mapping[int, Decision]) -> list[int]:
+        """Per node step, the live bytes its strengthened row counts under `decisions`
+        (every step is strengthened first): at most simulate's live bytes at that step
+        for every plan, and exactly those on chains (tests check both)."""
+        for t in range(self.data.n_steps):
+            self.strengthen(t)
+        values = self.implied(decisions)
+        out = []
+        for t in range(self.data.n_steps):
+            room, live = self._row(t, self.data.static[t], waits=True)
+            lits = [(s, self._alive[tuple(why)]) for s, *why in live]
+            out.append(self.problem.budget_bytes - room + sum(
+                self.problem.nodes[s].out_bytes * values[lit.index] for s, lit in lits if lit is not None))
+        return out
 
     def canonical(self, decisions: Mapping[int, Decision]) -> dict[int, Decision]:
         """The same plan with every never-needed value SAVE (the model's symmetry

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
+from solvers.problem import StepKind
 from solvers import builders, ilp_model
 from solvers.brute import valid_plans
 from solvers.dp_structure import analyze
@@ -68,6 +69,35 @@ def test_every_strengthened_row_holds_for_every_fitting_plan(problem, seed):
     others = [plan for _, _, plan in fitting]
     for plan in tight + random.Random(seed).sample(others, min(4, len(others))):
         assert _admits(model, plan), plan
+
+
+def _node_step_bytes(problem: Problem, ev) -> list[int]:
+    """simulate's live bytes at each node step, in node-step order (the model's time)."""
+    at = {st.node_id: ev.timeline[k] for k, st in enumerate(ev.steps) if st.kind in (StepKind.FORWARD, StepKind.BACKWARD)}
+    return [at[i] for i in (*problem.forward_ids, *problem.backward_ids)]
+
+
+@settings(max_examples=25)
+@given(problem=random_dags(max_values=8))
+def test_strengthened_rows_never_count_more_than_simulate(problem):
+    """Every plan (fitting or not), every node step: the strengthened row counts no more
+    bytes than simulate has live there."""
+    model = ilp_model.CanonicalModel(problem, cumulative=False)
+    for plan, ev in valid_plans(problem):
+        for t, (counted, live) in enumerate(zip(model.row_bytes(plan), _node_step_bytes(problem, ev))):
+            assert counted <= live, (t, plan)
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_strengthened_rows_are_exact_on_chains(n):
+    """On a chain the strengthened rows count exactly simulate's live bytes at every node
+    step, for every plan. Dropping a run of values makes the first backward read of its
+    end recompute the whole run at once, and each value then lives until its own read:
+    a cascade of any depth, which the rows follow through the "brought back" literals."""
+    problem = builders.with_budget_fraction(builders.chain(n), 0.5)
+    model = ilp_model.CanonicalModel(problem, cumulative=False)
+    for plan, ev in valid_plans(problem):
+        assert model.row_bytes(plan) == _node_step_bytes(problem, ev), plan
 
 
 @pytest.mark.parametrize("fraction", [0.4, 0.5, 0.6, 0.7])
