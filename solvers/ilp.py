@@ -22,8 +22,8 @@ that a chain of recomputations of any depth brought back by its step, and saved 
 a later recomputation still reads (both through exact "brought back by t" literals); on
 chains it equals simulate's live bytes at every node step. Each optimum is a valid
 bound; one that fits is an optimal plan. This is what certifies transformer joint
-graphs: GPT-2 small (774 nodes, 340 values), 10 s limit, one worker: OPTIMAL in 5.4 s
-at 50% and 5.0 s at 70% of the no-remat peak (previous rows without the chains: gaps of
+graphs: GPT-2 small (774 nodes, 340 values), 10 s limit, one worker: OPTIMAL in 5.1 s
+at 50% and 5.3 s at 70% of the no-remat peak (previous rows without the chains: gaps of
 19.6% and 15.5%; before row generation: 90.6% and 100%).
 
 Why CP-SAT rather than a MIP (SCIP/CBC through pywraplp): the memory constraint is a
