@@ -12,12 +12,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from solvers import Node, Phase, Problem, Status, StepKind, UnsupportedProblem, simulate, solve
+from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
 from solvers import builders, ilp_model
 from solvers.brute import valid_plans
 from solvers.dp_structure import analyze
 from solvers.ilp import ILPOptions
-from oracles import REL, assert_equals_brute
+from oracles import REL, assert_equals_brute, node_step_bytes
 from strategies import problems
 
 MODEL_ONLY = dict(warm_start=())  # the CP-SAT model by itself, no heuristic seed
@@ -70,12 +70,6 @@ def test_every_strengthened_row_holds_for_every_fitting_plan(problem, seed):
         assert _admits(model, plan), plan
 
 
-def _node_step_bytes(problem: Problem, ev) -> list[int]:
-    """simulate's live bytes at each node step, in node-step order (the model's time)."""
-    at = {st.node_id: ev.timeline[k] for k, st in enumerate(ev.steps) if st.kind in (StepKind.FORWARD, StepKind.BACKWARD)}
-    return [at[i] for i in (*problem.forward_ids, *problem.backward_ids)]
-
-
 @settings(max_examples=25)
 @given(problem=random_dags(max_values=8))
 # A view of a saved value, offloaded: it is reloaded into a storage of its own, so the
@@ -87,7 +81,7 @@ def test_strengthened_rows_never_count_more_than_simulate(problem):
     bytes than simulate has live there."""
     model = ilp_model.CanonicalModel(problem, cumulative=False)
     for plan, ev in valid_plans(problem):
-        for t, (counted, live) in enumerate(zip(model.row_bytes(plan), _node_step_bytes(problem, ev))):
+        for t, (counted, live) in enumerate(zip(model.row_bytes(plan), node_step_bytes(problem, ev))):
             assert counted <= live, (t, plan)
 
 
@@ -100,7 +94,7 @@ def test_strengthened_rows_are_exact_on_chains(n):
     problem = builders.with_budget_fraction(builders.chain(n), 0.5)
     model = ilp_model.CanonicalModel(problem, cumulative=False)
     for plan, ev in valid_plans(problem):
-        assert model.row_bytes(plan) == _node_step_bytes(problem, ev), plan
+        assert model.row_bytes(plan) == node_step_bytes(problem, ev), plan
 
 
 @pytest.mark.parametrize("n", [3, 4])
@@ -113,7 +107,7 @@ def test_constraints_force_the_exact_rows_on_chains(n):
     rows = [model.row_terms(t) for t in range(model.data.n_steps)]
     for plan, ev in valid_plans(problem):
         plan = model.canonical(plan)
-        for (fixed, terms), live in zip(rows, _node_step_bytes(problem, ev)):
+        for (fixed, terms), live in zip(rows, node_step_bytes(problem, ev)):
             least = model.model.clone()
             var = least.get_bool_var_from_proto_index
             for v in model.data.decision:
