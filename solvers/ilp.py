@@ -112,10 +112,10 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
             exact, bound_s = incumbent[1], incumbent[0]
         return finish(problem, exact, "ilp", started_s=started, optimal=True, lower_bound_s=bound_s)
     model.add_cumulative()  # the full model, keeping the rows generated above
+    if incumbent is not None:  # hints stay in the model; no-goods add no variables
+        model.hint(incumbent[1])
     proven, cuts = False, 0
     while cuts <= opts.max_cuts:
-        if incumbent is not None:
-            model.hint(incumbent[1])
         remaining = deadline - time.perf_counter() - margin
         if remaining <= 0:
             break
