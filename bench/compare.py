@@ -45,9 +45,9 @@ from torch import nn  # noqa: E402
 from torch._export.utils import _compiling_state_context  # noqa: E402
 
 from remat import zoo  # noqa: E402
-from remat.costs import FlopCounter  # noqa: E402
+from remat.frontend.costs import FlopCounter  # noqa: E402
+from remat.frontend.trace import compile_joint  # noqa: E402
 from remat.measure import measure_step, measure_step_profiler  # noqa: E402
-from remat.trace import compile_joint  # noqa: E402
 
 log = logging.getLogger("bench.compare")
 
@@ -192,7 +192,7 @@ class Reference:
     grads: dict[str, torch.Tensor]
     traced_path_grads: dict[str, torch.Tensor]
     """Eager gradients with `torch.compiler.is_compiling()` set, the code path transformers
-    takes when traced (remat.trace.Traced.library_trace_path):
+    takes when traced (remat.frontend.trace.Traced.library_trace_path):
     what a traced method computes without rematerializing anything."""
     buffers: dict[str, torch.Tensor]
     flops: int

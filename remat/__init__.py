@@ -5,7 +5,6 @@
 """
 
 from remat.api import Planned, plan
-from remat.backend import RematBackend, backend
 from remat.budget import resolve_budget
 from remat.errors import (
     BudgetError,
@@ -15,6 +14,7 @@ from remat.errors import (
     UnknownSolverError,
     UnsupportedGraphError,
 )
+from remat.runtime.backend import RematBackend, backend
 
 __all__ = [
     "BudgetError",

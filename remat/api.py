@@ -13,104 +13,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
-from remat import costs
-from remat.budget import check_budget_syntax, format_bytes, resolve_budget
-from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
-from remat.problem import GraphProblem, build_problem
-from remat.rewrite import partition
-from remat.trace import FlatModel, FlatSignature, compile_joint
-from solvers import SOLVERS, Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from remat.budget import check_budget_syntax
+from remat.errors import RematError, UnknownSolverError
+from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
+from remat.planner import Partitioner, PlannedStep
+from remat.report import summary
+from solvers import SOLVERS, Plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanTimings:
-    """Seconds spent in each stage of planning."""
-
-    trace_s: float
-    profile_s: float
-    solve_s: float
-    rewrite_s: float
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PlannedStep:
-    """Everything remat decided for one input signature."""
-
-    graph_problem: GraphProblem
-    plan: Plan
-    evaluation: Evaluation
-    baseline_peak_bytes: int
-    budget_bytes: int
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    timings: PlanTimings
-    library_trace_path: str = ""
-    """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
-
-
-class _Partitioner:
-    """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
-
-    def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float) -> None:
-        self.num_params = num_params
-        self.budget = budget
-        self.solver = solver
-        self.options = options
-        self.started_s = started_s
-        self.step: PlannedStep | None = None
-        self.error: RematError | None = None
-
-    def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
-                 **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        try:
-            return self._partition(joint, num_fwd_outputs)
-        except RematError as e:  # AOTAutograd may wrap exceptions; keep ours to re-raise
-            self.error = e
-            raise
-
-    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int):
-        t_traced = time.perf_counter()
-        speed = costs.device_speed("cpu")
-        gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
-                           budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
-        baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
-        budget_bytes = resolve_budget(self.budget, baseline)
-        gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
-        t_profiled = time.perf_counter()
-        plan = solve(gp.problem, self.solver, **self.options)
-        if plan.status is Status.INFEASIBLE:
-            raise _infeasible(gp, plan, budget_bytes, baseline)
-        t_solved = time.perf_counter()
-        evaluation = simulate(gp.problem, plan)
-        fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
-        t_done = time.perf_counter()
-        self.step = PlannedStep(
-            graph_problem=gp, plan=plan, evaluation=evaluation, baseline_peak_bytes=baseline,
-            budget_bytes=budget_bytes, forward=fw, backward=bw,
-            timings=PlanTimings(trace_s=t_traced - self.started_s, profile_s=t_profiled - t_traced,
-                                solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
-        )
-        return fw, bw
-
-
-def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int) -> InfeasibleBudgetError:
-    """The error for a budget below every reachable peak, with the smallest one."""
-    reach = min(
-        [plan.peak_bytes]
-        + [solve(gp.problem.with_budget(0), s).peak_bytes for s in ("all", "chen-greedy")]
-    )
-    return InfeasibleBudgetError(
-        f"budget {format_bytes(budget_bytes)} is below the smallest reachable peak "
-        f"{format_bytes(reach)} for this model and input shapes (no-remat peak "
-        f"{format_bytes(baseline)}); raise the budget to at least {reach} bytes or shrink "
-        "the batch",
-        budget_bytes=budget_bytes, min_peak_bytes=reach,
-    )
 
 
 class Planned(nn.Module):
@@ -159,7 +71,7 @@ class Planned(nn.Module):
         # Re-plans keep the bytes the first plan resolved: the device does not grow.
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
-        partitioner = _Partitioner(num_params=num_params, budget=budget, solver=self.solver,
+        partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started)
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
@@ -214,8 +126,6 @@ class Planned(nn.Module):
         return self.step.budget_bytes
 
     def summary(self) -> str:
-        from remat.report import summary
-
         return summary(self.step)
 
 

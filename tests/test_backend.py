@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.backend import backend
+from remat.runtime.backend import backend
 from remat.measure import measure_step
 
 

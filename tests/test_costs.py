@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from remat import costs
-from remat.costs import DeviceSpeed, estimate_s, flop_counter_mode, node_bytes_moved, node_cost_s, node_flops
+from remat.frontend import costs
+from remat.frontend.costs import DeviceSpeed, estimate_s, flop_counter_mode, node_bytes_moved, node_cost_s, node_flops
 
 B, H, S, D = 2, 4, 16, 8
 

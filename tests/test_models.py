@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 
 import remat
 from remat import zoo
-from remat.costs import FlopCounter, flop_counter_mode
+from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step
 from solvers import Status

@@ -5,7 +5,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
-from remat.profile import never_replay_reason
+from remat.frontend.profile import never_replay_reason
 from solvers import Phase
 
 

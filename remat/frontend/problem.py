@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
-from remat.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
+from remat.frontend.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
 from solvers import Node, Phase, Problem
 
 

@@ -1,6 +1,6 @@
 """Per-node profile of the joint graph: storage bytes and identity (aliasing), where a
 node comes from, and whether it may ever be replayed. FLOPs and seconds live in
-`remat.costs`."""
+`remat.frontend.costs`."""
 
 from __future__ import annotations
 

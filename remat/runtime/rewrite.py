@@ -18,7 +18,7 @@ from torch import fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from remat.errors import UnsupportedGraphError
-from remat.problem import GraphProblem
+from remat.frontend.problem import GraphProblem
 from solvers import Decision, Evaluation, Plan, StepKind
 
 

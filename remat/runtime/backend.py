@@ -21,10 +21,11 @@ from typing import Any
 
 from torch import fx
 
-from remat.api import PlannedStep, _Partitioner
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
-from remat.trace import boxed_eager_compiler
+from remat.frontend.trace import boxed_eager_compiler
+from remat.planner import Partitioner, PlannedStep
+from remat.report import summary
 from solvers import SOLVERS
 
 
@@ -45,7 +46,7 @@ class RematBackend:
 
         num_params = len(dict(gm.named_parameters(remove_duplicate=False))) + len(
             dict(gm.named_buffers(remove_duplicate=False)))
-        partitioner = _Partitioner(num_params=num_params, budget=self.budget, solver=self.solver,
+        partitioner = Partitioner(num_params=num_params, budget=self.budget, solver=self.solver,
                                    options=self.options, started_s=time.perf_counter())
         try:
             compiled = aot_module_simplified(
@@ -61,8 +62,6 @@ class RematBackend:
         return compiled
 
     def summary(self) -> str:
-        from remat.report import summary
-
         if not self.steps:
             raise RematError("nothing planned yet: run the compiled model under autograd first")
         return "\n\n".join(summary(step) for step in self.steps)

@@ -1,4 +1,4 @@
-"""Human-readable reports of a planned step: what was saved, recomputed, and why."""
+"""Text summary of a planned step: what was saved, recomputed, and why."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from remat.budget import format_bytes
 from solvers import Decision, Phase
 
 if TYPE_CHECKING:
-    from remat.api import PlannedStep
+    from remat.planner import PlannedStep
 
 
 def summary(step: "PlannedStep", *, top: int = 10) -> str:

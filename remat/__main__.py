@@ -1,0 +1,7 @@
+"""`python -m remat` runs the command line, like the `remat` script."""
+
+import sys
+
+from remat.cli import main
+
+sys.exit(main())
