@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import fx
 
+from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
@@ -48,8 +49,11 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float) -> None:
+                 started_s: float, sync_ranks: bool | None = None) -> None:
         self.num_params = num_params
+        self.sync_ranks = sync_ranks
+        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
+        group of more than one rank is initialized."""
         self.budget = budget
         self.solver = solver
         self.options = options
@@ -75,6 +79,8 @@ class Partitioner:
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
             raise _infeasible(gp, plan, budget_bytes, baseline)
         t_solved = time.perf_counter()

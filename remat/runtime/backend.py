@@ -32,13 +32,15 @@ from solvers import SOLVERS
 class RematBackend:
     """A callable `torch.compile` backend that records what it planned."""
 
-    def __init__(self, *, budget: int | str, solver: str = "auto", **options: Any) -> None:
+    def __init__(self, *, budget: int | str, solver: str = "auto", sync_ranks: bool | None = None,
+                 **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         check_budget_syntax(budget)
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
+        self.sync_ranks = sync_ranks
         self.steps: list[PlannedStep] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -47,7 +49,8 @@ class RematBackend:
         num_params = len(dict(gm.named_parameters(remove_duplicate=False))) + len(
             dict(gm.named_buffers(remove_duplicate=False)))
         partitioner = Partitioner(num_params=num_params, budget=self.budget, solver=self.solver,
-                                   options=self.options, started_s=time.perf_counter())
+                                   options=self.options, started_s=time.perf_counter(),
+                                   sync_ranks=self.sync_ranks)
         try:
             compiled = aot_module_simplified(
                 gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
@@ -67,9 +70,11 @@ class RematBackend:
         return "\n\n".join(summary(step) for step in self.steps)
 
 
-def backend(*, budget: int | str, solver: str = "auto", **options: Any) -> RematBackend:
-    """A `torch.compile` backend that rematerializes each captured graph under `budget`."""
-    return RematBackend(budget=budget, solver=solver, **options)
+def backend(*, budget: int | str, solver: str = "auto", sync_ranks: bool | None = None,
+            **options: Any) -> RematBackend:
+    """A `torch.compile` backend that rematerializes each captured graph under `budget`.
+    sync_ranks: as in `remat.plan` (rank 0's plan on every rank)."""
+    return RematBackend(budget=budget, solver=solver, sync_ranks=sync_ranks, **options)
 
 
 __all__ = ["RematBackend", "backend"]
