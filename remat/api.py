@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import distributed
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
@@ -31,7 +32,8 @@ class Planned(nn.Module):
     work unchanged. Calling it runs the planned forward; `.loss.backward()` runs the
     planned backward. Other input shapes are re-planned under the same budget."""
 
-    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any]):
+    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
+                 sync_ranks: bool | None = None):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -42,6 +44,7 @@ class Planned(nn.Module):
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
+        self.sync_ranks = sync_ranks
         self.training = model.training
 
     @property
@@ -72,7 +75,7 @@ class Planned(nn.Module):
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
-                                   options=self.options, started_s=started)
+                                   options=self.options, started_s=started, sync_ranks=self.sync_ranks)
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -136,22 +139,30 @@ def plan(
     *,
     budget: int | str,
     solver: str = "auto",
+    sync_ranks: bool | None = None,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
 
     budget: int bytes, a string with units ('800MB', '1.5GiB'), or a percentage of the
     no-remat peak ('60%'); it covers the whole forward+backward step. Raises
-    `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak."""
+    `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak.
+
+    sync_ranks: under torch.distributed, every rank takes rank 0's plan (one all-gather
+    per plan, so every rank must plan); None does so when a process group of more than
+    one rank is initialized. Wrap the result in DDP as the model: `DDP(remat.plan(...))`.
+    A model sharded by FSDP2 is refused (`CompositionError`): compile it with
+    `remat.backend` instead (see `remat.distributed`)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
         raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
     check_budget_syntax(budget)  # fail before tracing, not after
+    distributed.check_plannable(model)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    planned = Planned(model, budget=budget, solver=solver, options=options)
+    planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

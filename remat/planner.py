@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import fx
 
+from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
@@ -48,33 +49,44 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float) -> None:
+                 started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None) -> None:
         self.num_params = num_params
+        self.sync_ranks = sync_ranks
+        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
+        group of more than one rank is initialized."""
         self.budget = budget
         self.solver = solver
         self.options = options
         self.started_s = started_s
+        self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
 
     def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
+                 static_lifetime_input_indices: Any = None,
                  **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """AOTAutograd names the parameters and buffers among the primals in
+        `static_lifetime_input_indices` (under torch.compile they are interleaved with
+        the user's inputs); without it, the first `num_params` primals are parameters."""
         try:
-            return self._partition(joint, num_fwd_outputs)
+            return self._partition(joint, num_fwd_outputs, static_lifetime_input_indices)
         except RematError as e:  # AOTAutograd may wrap exceptions; keep ours to re-raise
             self.error = e
             raise
 
-    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int):
+    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        speed = costs.device_speed("cpu")
+        cost_s = costs.cost_function(self.cost_model, costs.device_speed("cpu"))
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
-                           budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
+                           budget_bytes=0, cost_s=cost_s,
+                           param_indices=tuple(param_indices) if param_indices else None)
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
             raise _infeasible(gp, plan, budget_bytes, baseline)
         t_solved = time.perf_counter()
