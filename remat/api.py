@@ -17,6 +17,7 @@ from torch import nn
 
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
+from remat.frontend.costs import DeviceSpeed
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -31,7 +32,8 @@ class Planned(nn.Module):
     work unchanged. Calling it runs the planned forward; `.loss.backward()` runs the
     planned backward. Other input shapes are re-planned under the same budget."""
 
-    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any]):
+    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
+                 device_speed: DeviceSpeed | None = None):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -39,6 +41,7 @@ class Planned(nn.Module):
         self._modules = model._modules
         self.__dict__["_remat_model"] = model
         self.__dict__["_remat_cache"] = {}
+        self.__dict__["_remat_device_speed"] = device_speed
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
@@ -72,7 +75,8 @@ class Planned(nn.Module):
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
-                                   options=self.options, started_s=started)
+                                   options=self.options, started_s=started,
+                                   device_speed=self.__dict__["_remat_device_speed"])
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -136,12 +140,15 @@ def plan(
     *,
     budget: int | str,
     solver: str = "auto",
+    device_speed: DeviceSpeed | None = None,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
 
     budget: int bytes, a string with units ('800MB', '1.5GiB'), or a percentage of the
-    no-remat peak ('60%'); it covers the whole forward+backward step. Raises
+    no-remat peak ('60%'); it covers the whole forward+backward step. device_speed:
+    roofline figures for per-op costs (default: this machine, measured once and cached;
+    `remat.frontend.devices.named_device('h100').speed(dtype)` plans for another). Raises
     `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -151,7 +158,7 @@ def plan(
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    planned = Planned(model, budget=budget, solver=solver, options=options)
+    planned = Planned(model, budget=budget, solver=solver, options=options, device_speed=device_speed)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

@@ -48,8 +48,11 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float) -> None:
+                 started_s: float, device_speed: costs.DeviceSpeed | None = None) -> None:
         self.num_params = num_params
+        # None: measure this machine (outside any fake mode); fake-tensor planning passes a
+        # named device's figures, since nothing may run there.
+        self.device_speed = device_speed
         self.budget = budget
         self.solver = solver
         self.options = options
@@ -67,7 +70,7 @@ class Partitioner:
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int):
         t_traced = time.perf_counter()
-        speed = costs.device_speed("cpu")
+        speed = self.device_speed or costs.device_speed("cpu")
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
