@@ -17,6 +17,7 @@ from torch import nn
 
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
+from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -31,7 +32,8 @@ class Planned(nn.Module):
     work unchanged. Calling it runs the planned forward; `.loss.backward()` runs the
     planned backward. Other input shapes are re-planned under the same budget."""
 
-    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any]):
+    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
+                 offload: Any = "auto"):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -42,6 +44,7 @@ class Planned(nn.Module):
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
+        self.offload = offload
         self.training = model.training
 
     @property
@@ -71,8 +74,11 @@ class Planned(nn.Module):
         # Re-plans keep the bytes the first plan resolved: the device does not grow.
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
+        tensors = signature.tensors(args, kwargs)
+        bandwidth = resolve_bandwidth(self.offload, offload_device([*tensors, *flat.parameters()]))
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
-                                   options=self.options, started_s=started)
+                                   options=self.options, started_s=started,
+                                   offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload)
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -136,22 +142,28 @@ def plan(
     *,
     budget: int | str,
     solver: str = "auto",
+    offload: bool | str = "auto",
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
 
     budget: int bytes, a string with units ('800MB', '1.5GiB'), or a percentage of the
     no-remat peak ('60%'); it covers the whole forward+backward step. Raises
-    `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak."""
+    `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak.
+
+    offload: True lets the planner move activations to host memory between forward and
+    backward (below the recompute-only floor); False never; "auto" (default) allows it
+    on CUDA and leaves it off on CPU."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
         raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
     check_budget_syntax(budget)  # fail before tracing, not after
+    check_offload(offload)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    planned = Planned(model, budget=budget, solver=solver, options=options)
+    planned = Planned(model, budget=budget, solver=solver, options=options, offload=offload)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned
