@@ -49,8 +49,8 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float, offload_bandwidth_bytes_per_s: float | None = None,
-                 offload: Any = "auto") -> None:
+                 started_s: float, cost_model: str = "eager",
+                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto") -> None:
         self.num_params = num_params
         self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
         self.offload = offload
@@ -58,22 +58,28 @@ class Partitioner:
         self.solver = solver
         self.options = options
         self.started_s = started_s
+        self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
 
     def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
+                 static_lifetime_input_indices: Any = None,
                  **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """AOTAutograd names the parameters and buffers among the primals in
+        `static_lifetime_input_indices` (under torch.compile they are interleaved with
+        the user's inputs); without it, the first `num_params` primals are parameters."""
         try:
-            return self._partition(joint, num_fwd_outputs)
+            return self._partition(joint, num_fwd_outputs, static_lifetime_input_indices)
         except RematError as e:  # AOTAutograd may wrap exceptions; keep ours to re-raise
             self.error = e
             raise
 
-    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int):
+    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        speed = costs.device_speed("cpu")
+        cost_s = costs.cost_function(self.cost_model, costs.device_speed("cpu"))
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
-                           budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
+                           budget_bytes=0, cost_s=cost_s,
+                           param_indices=tuple(param_indices) if param_indices else None)
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))

@@ -29,7 +29,7 @@ def test_compiled_step_equals_eager_and_uses_less_memory():
     torch._dynamo.reset()
     model, x = _model(), torch.randn(512, 128)
     eager = copy.deepcopy(model)
-    be = backend(budget="80%", solver="chen-greedy")
+    be = backend(budget="80%", solver="chen-greedy", compiler="eager")
     compiled = torch.compile(model, backend=be, fullgraph=True)
     loss = _step(compiled, model, x)
     assert torch.equal(loss, _step(eager, eager, x))
@@ -38,6 +38,7 @@ def test_compiled_step_equals_eager_and_uses_less_memory():
     assert step.evaluation.peak_bytes <= step.budget_bytes < step.baseline_peak_bytes
     assert len(step.evaluation.recomputed_ids) > 0
     assert "remat plan (chen-greedy" in be.summary()
+    assert "compiled with eager (cost model: eager)" in be.summary()
     # Profiler allocation events (the instrument that works under torch.compile) also
     # count CPU kernels' internal workspace, so compare against eager, not the model.
     planned_peak = measure_step(lambda: _step(compiled, model, x), register=(model, x), instrument="profiler")

@@ -132,7 +132,11 @@ def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..
     gm.recompile()
 
     def run(args: list[Any]) -> Any:
-        return gm(args)
+        # `gm.forward`, not `gm(...)`: calling the module fires global module hooks
+        # (FlopCounterMode's module tracker, profilers, FSDP, users' hooks) on an fx
+        # module that runs inside AOTAutograd's autograd.Function, where they fail
+        # ("Expected gradient function to be set") or count the step twice.
+        return gm.forward(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run

@@ -43,7 +43,9 @@ def partition(
     saved += [by_name[name] for name in kept]
     offloaded = {graph_problem.value_name[i] for i, d in plan.decisions.items()
                  if d is Decision.OFFLOAD and i in read}
-    fw, bw = _extract_fwd_bwd_modules(joint, saved, [], num_fwd_outputs=num_fwd_outputs)
+    saved_sym = _saved_sym_nodes(joint)
+    saved = [n for n in saved if n not in saved_sym]
+    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
     _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
@@ -56,6 +58,35 @@ def partition(
     fw.recompile()
     bw.recompile()
     return fw, bw
+
+
+def _saved_sym_nodes(joint: fx.GraphModule) -> list[fx.Node]:
+    """SymInts the backward reads (dynamic shapes): symbolic placeholders and forward
+    size computations. AOTAutograd hands them to backward as `saved_sym_nodes`, as its
+    min-cut partitioner does; a SymInt passed as a saved tensor value breaks extraction
+    ("Node ... was invalid, but is output"). They cost no device memory."""
+    from torch._functorch.partitioners import is_sym_node
+
+    sym = []
+    for node in joint.graph.nodes:
+        if not is_sym_node(node) or node.name.startswith("tangents"):
+            continue
+        if node.op == "placeholder" or not _depends_on_tangents(node):
+            sym.append(node)
+    return sym
+
+
+def _depends_on_tangents(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _read_in_backward(graph_problem: GraphProblem, evaluation: Evaluation) -> set[int]:
