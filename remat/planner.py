@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import fx
 
+from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
@@ -49,9 +50,12 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float, cost_model: str = "eager",
+                 started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto") -> None:
         self.num_params = num_params
+        self.sync_ranks = sync_ranks
+        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
+        group of more than one rank is initialized."""
         self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
         self.offload = offload
         self.budget = budget
@@ -86,6 +90,8 @@ class Partitioner:
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
             raise _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
