@@ -10,9 +10,11 @@ from typing import Any
 
 from torch import fx
 
+from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
+from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
@@ -48,9 +50,15 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float, cost_model: str = "eager",
+                 started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
+                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
                  device_speed: costs.DeviceSpeed | None = None) -> None:
         self.num_params = num_params
+        self.sync_ranks = sync_ranks
+        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
+        group of more than one rank is initialized."""
+        self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
+        self.offload = offload
         # None: measure this machine (outside any fake mode); fake-tensor planning passes a
         # named device's figures, since nothing may run there.
         self.device_speed = device_speed
@@ -84,10 +92,13 @@ class Partitioner:
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
+        gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise _infeasible(gp, plan, budget_bytes, baseline)
+            raise _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
@@ -101,16 +112,20 @@ class Partitioner:
         return fw, bw
 
 
-def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int) -> InfeasibleBudgetError:
-    """The error for a budget below every reachable peak, with the smallest one."""
+def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int,
+                offload: Any = "auto") -> InfeasibleBudgetError:
+    """The error for a budget below every reachable peak, with the smallest one (and,
+    when offload is off, the floor offload would reach)."""
     reach = min(
         [plan.peak_bytes]
         + [solve(gp.problem.with_budget(0), s).peak_bytes for s in ("all", "chen-greedy")]
     )
+    if gp.problem.offload_bandwidth_bytes_per_s is not None:
+        reach = min(reach, offload_floor_bytes(gp.problem))
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} is below the smallest reachable peak "
         f"{format_bytes(reach)} for this model and input shapes (no-remat peak "
         f"{format_bytes(baseline)}); raise the budget to at least {reach} bytes or shrink "
-        "the batch",
+        f"the batch{offload_hint(gp, reach, offload)}",
         budget_bytes=budget_bytes, min_peak_bytes=reach,
     )

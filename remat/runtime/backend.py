@@ -47,8 +47,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from remat import distributed
 from remat.budget import check_budget_syntax
-from remat.errors import RematError, UnknownSolverError
+from remat.errors import CompositionError, RematError, UnknownSolverError
 from remat.frontend import costs
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
@@ -69,7 +70,8 @@ class RematBackend:
 
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
-                 inductor_options: dict[str, Any] | None = None, **options: Any) -> None:
+                 inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
+                 **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -86,6 +88,7 @@ class RematBackend:
         self.mode = mode
         self.inductor_options = dict(inductor_options or {})
         self.options = dict(options)
+        self.sync_ranks = sync_ranks
         self.steps: list[PlannedStep] = []
         self.cache_hits = 0
         """Graphs whose compiled code came from torch's caches (remat was not called)."""
@@ -93,9 +96,14 @@ class RematBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
         """Compile one graph dynamo captured; `mode`/`options` come from `torch.compile`."""
+        if self.cache and self.sync_ranks is not False and distributed.world_size() > 1:
+            raise CompositionError(
+                "remat.backend(cache=True) under torch.distributed: a rank that hits torch's "
+                "compile cache skips planning while its peers wait for it in the plan exchange "
+                "(a hang); use cache=False (the default) or sync_ranks=False")
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
-                                  cost_model=self.cost_model)
+                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks)
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -155,8 +163,9 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     compiler: "inductor" (default; fused kernels) or "eager" (remat's graphs op by op,
     bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
     `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
-    see the module docstring). mode / inductor_options: as `torch.compile`'s. Other keyword
-    arguments go to the solver."""
+    see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
+    as `remat.plan`'s (rank 0's plan on every rank). Other keyword arguments go to the
+    solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
 
