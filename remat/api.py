@@ -18,6 +18,8 @@ from torch import nn
 from remat import distributed
 from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
+from remat.frontend.costs import DeviceSpeed
+from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -33,7 +35,7 @@ class Planned(nn.Module):
     planned backward. Other input shapes are re-planned under the same budget."""
 
     def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
-                 sync_ranks: bool | None = None):
+                 sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -41,10 +43,12 @@ class Planned(nn.Module):
         self._modules = model._modules
         self.__dict__["_remat_model"] = model
         self.__dict__["_remat_cache"] = {}
+        self.__dict__["_remat_device_speed"] = device_speed
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
         self.sync_ranks = sync_ranks
+        self.offload = offload
         self.training = model.training
 
     @property
@@ -74,8 +78,12 @@ class Planned(nn.Module):
         # Re-plans keep the bytes the first plan resolved: the device does not grow.
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
+        tensors = signature.tensors(args, kwargs)
+        bandwidth = resolve_bandwidth(self.offload, offload_device([*tensors, *flat.parameters()]))
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
-                                   options=self.options, started_s=started, sync_ranks=self.sync_ranks)
+                                   options=self.options, started_s=started, sync_ranks=self.sync_ranks,
+                                   offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
+                                   device_speed=self.__dict__["_remat_device_speed"])
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -140,6 +148,8 @@ def plan(
     budget: int | str,
     solver: str = "auto",
     sync_ranks: bool | None = None,
+    offload: bool | str = "auto",
+    device_speed: DeviceSpeed | None = None,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
@@ -152,17 +162,27 @@ def plan(
     per plan, so every rank must plan); None does so when a process group of more than
     one rank is initialized. Wrap the result in DDP as the model: `DDP(remat.plan(...))`.
     A model sharded by FSDP2 is refused (`CompositionError`): compile it with
-    `remat.backend` instead (see `remat.distributed`)."""
+    `remat.backend` instead (see `remat.distributed`).
+
+    offload: True lets the planner move activations to host memory between forward and
+    backward (below the recompute-only floor); False never; "auto" (default) allows it
+    on CUDA and leaves it off on CPU.
+
+    device_speed: roofline figures for per-op costs (default: this machine, measured
+    once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans
+    for another device)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
         raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
     check_budget_syntax(budget)  # fail before tracing, not after
+    check_offload(offload)
     distributed.check_plannable(model)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks)
+    planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
+                      offload=offload, device_speed=device_speed)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

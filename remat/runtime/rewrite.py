@@ -19,6 +19,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from remat.errors import UnsupportedGraphError
 from remat.frontend.problem import GraphProblem
+from remat.runtime.offload import insert_offloads
 from solvers import Decision, Evaluation, Plan, StepKind
 
 
@@ -31,19 +32,17 @@ def partition(
     num_fwd_outputs: int,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules of `plan` (whose simulation is `evaluation`)."""
-    if any(d is Decision.OFFLOAD for d in plan.decisions.values()):
-        raise UnsupportedGraphError("the eager rewriter does not offload yet; plan without offload")
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     # Only the saved values backward reads (directly or to recompute): extraction keeps
     # any saved value some copied node reads, even a dead random op it copied.
     read = _read_in_backward(graph_problem, evaluation)
-    saved += [
-        by_name[graph_problem.value_name[i]]
-        for i, d in plan.decisions.items()
-        if d is Decision.SAVE and i in read
-    ]
+    kept = [graph_problem.value_name[i] for i, d in plan.decisions.items()
+            if d in (Decision.SAVE, Decision.OFFLOAD) and i in read]
+    saved += [by_name[name] for name in kept]
+    offloaded = {graph_problem.value_name[i] for i, d in plan.decisions.items()
+                 if d is Decision.OFFLOAD and i in read}
     saved_sym = _saved_sym_nodes(joint)
     saved = [n for n in saved if n not in saved_sym]
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
@@ -51,7 +50,9 @@ def partition(
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
-    _reorder(bw, _backward_rank(graph_problem, evaluation))
+    rank = _backward_rank(graph_problem, evaluation)
+    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank))
+    _reorder(bw, rank)
     fw.graph.lint()
     bw.graph.lint()
     fw.recompile()
@@ -89,12 +90,13 @@ def _depends_on_tangents(node: fx.Node) -> bool:
 
 
 def _read_in_backward(graph_problem: GraphProblem, evaluation: Evaluation) -> set[int]:
-    """Problem ids read by some backward, recompute or reload step."""
+    """Problem ids read by some backward or recompute step (a reload reads the host
+    copy, not the value's inputs)."""
     nodes = graph_problem.problem.nodes
     return {
         j
         for step in evaluation.steps
-        if step.kind is not StepKind.FORWARD
+        if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
         for j in nodes[step.node_id].inputs
     }
 
