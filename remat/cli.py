@@ -106,9 +106,11 @@ def _build(opts: argparse.Namespace, sets: dict[str, Any]):
 
     factory = tgt.load_factory(opts.target)
     if opts.fake:
-        from remat.frontend.fake import build_fake
+        from remat.frontend.fake import build_fake, to_fake
 
-        built, _ = build_fake(lambda: _call(tgt, factory, opts.target, sets))
+        built, mode = build_fake(lambda: _call(tgt, factory, opts.target, sets))
+        model, args, kwargs = to_fake((built.model, built.args, built.kwargs), mode)
+        built = tgt.Built(model=model, args=args, kwargs=kwargs)
     else:
         built = _call(tgt, factory, opts.target, sets)
     name = opts.device or (FAKE_DEFAULT_DEVICE if opts.fake else None)

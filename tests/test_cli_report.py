@@ -126,6 +126,10 @@ def test_pareto_is_monotone_from_the_no_remat_peak_down_to_the_floor(report_dir)
     for p in pareto:
         assert p["predicted_peak_bytes"] <= p["budget_bytes"]
     assert data["min_peak_bytes"] <= data["predicted_peak_bytes"]
+    # the reported plan is on or above the front: no point that affords it costs more
+    for p in pareto:
+        if p["budget_bytes"] >= data["predicted_peak_bytes"]:
+            assert p["extra_compute_s"] <= data["extra_compute_s"]
 
 
 def test_breakdown_counts_state_by_formula_and_activations_sum_to_the_peak(report_dir, user_file):

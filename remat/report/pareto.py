@@ -4,7 +4,7 @@ the no-remat peak down to the smallest reachable peak, kept as a Pareto front.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
 
@@ -42,18 +42,20 @@ def sweep(
     points: int = 8,
     time_limit_s: float | None = 5.0,
     on_point: Callable[[int, int], None] | None = None,
+    known: Sequence[Plan] = (),
 ) -> tuple[ParetoPoint, ...]:
     """`points` budgets evenly spaced from the floor to the no-remat peak, each solved
     with `solver`; every point reports the cheapest plan seen whose peak fits its budget
     (a plan found for a smaller budget fits a larger one), so extra compute never grows
-    with the budget. `on_point(done, total)` reports progress."""
+    with the budget. `known`: plans already found (the plan being reported), so the
+    front is never worse than them. `on_point(done, total)` reports progress."""
     if points < 2:
         raise ValueError(f"points={points} must be at least 2 (the floor and the no-remat peak)")
     baseline_plan = _as_plan(problem, decisions_all(problem, Decision.SAVE), "none")
     floor, floor_plan = min_peak_bytes(problem, solver)
     top = max(baseline_plan.peak_bytes, floor)
     budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)})
-    found: list[Plan] = [baseline_plan, floor_plan]
+    found: list[Plan] = [baseline_plan, floor_plan, *known]
     for done, budget in enumerate(budgets):
         if on_point is not None:
             on_point(done, len(budgets))
