@@ -56,7 +56,8 @@ class FlatSignature:
             const_key: Any = constants
         except TypeError:
             const_key = repr(constants)
-        return FlatSignature(spec, positions, constants, (training, str(spec), shapes, const_key))
+        key = (training, str(spec), shapes, const_key, autocast_state())
+        return FlatSignature(spec, positions, constants, key)
 
     def tensors(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
@@ -68,6 +69,17 @@ class FlatSignature:
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions active now, as (device type, dtype): part of a plan's key,
+    because the joint graph carries autocast's casts explicitly (a plan traced under bf16
+    autocast runs bf16 matmuls even when called outside autocast)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    )
 
 
 def find_loss(output: Any) -> torch.Tensor:
