@@ -17,6 +17,7 @@ from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
+from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
 
@@ -90,15 +91,18 @@ class Partitioner:
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None)
+        options = {k: v for k, v in self.options.items() if k != "measure_workspace"}
+        if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
+            gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
-        plan = solve_with_floor(gp.problem, self.solver, self.options)
+        plan = solve_with_floor(gp.problem, self.solver, options)
         refusal = None
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
-            plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=self.options,
+            plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
                                          baseline_bytes=baseline, offload=self.offload)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
@@ -115,6 +119,14 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+
+def _measures_workspace(asked: bool | None, device_speed: Any) -> bool:
+    """The `measure_workspace` planner option: True measures op workspace on the device
+    (remat.frontend.workspace), False assumes none; None (default) measures unless
+    planning is fake (a named device's figures given: nothing may run there, so every
+    workspace is assumed 0)."""
+    return (device_speed is None) if asked is None else bool(asked)
 
 
 def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int,
