@@ -69,7 +69,7 @@ def _measure(planned, case):
 
 def _floor(case) -> int:
     with pytest.raises(InfeasibleBudgetError) as info:
-        remat.plan(case.model, case.args, case.kwargs, budget=1, time_limit_s=0.5)
+        remat.plan(case.model, case.args, case.kwargs, budget=1, time_limit_s=0.5, measure_workspace=True)
     return info.value.min_peak_bytes
 
 
@@ -80,7 +80,8 @@ def _floor(case) -> int:
 def test_conv_model_prediction_covers_the_allocator(at):
     case = zoo.build("cnn", size="tiny")
     budget = _floor(case) if at == "floor" else at
-    planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, time_limit_s=0.5)
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, time_limit_s=0.5,
+                           measure_workspace=True)
     assert any(n.workspace_bytes for n in planned.problem.nodes)  # im2col scratch was measured
     allocator, tracker = _measure(planned, case)
     predicted = planned.predicted_peak_bytes

@@ -38,17 +38,28 @@ def _namespace(target: Any) -> str:
     return getattr(target, "namespace", "") or str(target).split(".", 1)[0]
 
 
+def _hint(value: Any) -> Any:
+    """A size by its hint, without guarding on it (int() on a SymInt would specialize
+    the graph on this size)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise ValueError(f"symbolic value {value} has no hint")
+        return hint
+    return value
+
+
 def _describe(value: Any) -> Any:
     """A hashable description of one argument (tensors by layout, not content)."""
     if isinstance(value, fx.Node):
         value = value.meta.get("val")
     if isinstance(value, torch.Tensor):
-        return ("T", tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride()),
+        return ("T", tuple(_hint(s) for s in value.shape), tuple(_hint(s) for s in value.stride()),
                 value.dtype, str(value.device))
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("S", type(value).__name__, value.node.hint if hasattr(value.node, "hint") else int(value))
+        return ("S", type(value).__name__, _hint(value))
     return ("V", repr(value))
 
 
@@ -71,8 +82,8 @@ def _materialize(value: Any) -> Any:
     if isinstance(value, fx.Node):
         value = value.meta.get("val")
     if isinstance(value, torch.Tensor):
-        shape = tuple(int(s) for s in value.shape)
-        stride = tuple(int(s) for s in value.stride())
+        shape = tuple(_hint(s) for s in value.shape)
+        stride = tuple(_hint(s) for s in value.stride())
         t = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
         if value.dtype.is_floating_point or value.dtype.is_complex:
             t.normal_()
@@ -82,7 +93,7 @@ def _materialize(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_materialize(v) for v in value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)](value)
+        return _hint(value)
     return value
 
 
