@@ -13,6 +13,7 @@ from torch import fx
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
+from remat.frontend.layers import layer_structure
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
@@ -70,6 +71,9 @@ class Partitioner:
         speed = costs.device_speed("cpu")
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
+        layers = layer_structure(joint, gp)
+        if layers is not None:  # repeated layers, for the solvers that use them
+            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))

@@ -55,9 +55,11 @@ class BlockSequence:
     """Bytes live before the first step (parameters and inputs)."""
 
 
-def analyze(problem: Problem) -> BlockSequence:
-    """The finest block sequence of `problem`; UnsupportedProblem if there is none."""
-    decision = set(problem.decision_ids)
+def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset()) -> BlockSequence:
+    """The finest block sequence of `problem`; UnsupportedProblem if there is none.
+    `fixed` decision values are kept (SAVE): they count as static bytes, like values no
+    decision changes, and belong to no block."""
+    decision = set(problem.decision_ids) - set(fixed)
     _check_supported(problem, decision)
     cuts = _forward_cuts(problem, decision)
     while True:
@@ -139,9 +141,11 @@ def _backward_violations(
         ok_lo = block_of[lo] == b or (b > 0 and lo == cuts[b - 1])
         if not ok_lo:
             bad.update(c for c in cuts if lo <= c < hi)
-        phases.append((b, r))
+        phases.append((b, lo == hi and b < len(cuts) and hi == cuts[b]))
     low = None  # lowest block seen so far along backward
-    for b, _ in phases:
+    for b, only_boundary in phases:
+        if only_boundary and low == b + 1:
+            continue  # reads just a_b: part of phase G_{b+1}, which may read a_b
         if low is not None and b > low:
             bad.update(cuts[low:b])
         low = b if low is None else min(low, b)
@@ -159,7 +163,8 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     current = n_blocks - 1
     for r in problem.backward_ids:
         reads = [j for j in nodes[r].inputs if j in decision]
-        if reads:
+        only_prev = current > 0 and set(reads) == {cuts[current - 1]}
+        if reads and not only_prev:  # a node reading just a_{b-1} stays in phase G_b
             current = block_of[max(reads)]
         bwd[current].append(r)
     prev_read_later = [False] * n_blocks
