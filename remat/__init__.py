@@ -8,6 +8,7 @@ from remat.api import Planned, plan
 from remat.budget import resolve_budget
 from remat.errors import (
     BudgetError,
+    CompositionError,
     InfeasibleBudgetError,
     RematError,
     TraceError,
@@ -18,6 +19,7 @@ from remat.runtime.backend import RematBackend, backend
 
 __all__ = [
     "BudgetError",
+    "CompositionError",
     "InfeasibleBudgetError",
     "Planned",
     "RematBackend",

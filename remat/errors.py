@@ -30,3 +30,8 @@ class TraceError(RematError):
 
 class UnsupportedGraphError(RematError):
     """The traced graph holds something remat cannot plan (named in the message)."""
+
+
+class CompositionError(RematError):
+    """remat composed with a distributed wrapper (FSDP, DDP, process groups) in a way
+    that cannot work; the message names the composition that does."""

@@ -10,10 +10,12 @@ from typing import Any
 
 from torch import fx
 
+from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
 from remat.frontend.layers import layer_structure
+from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
@@ -49,38 +51,58 @@ class Partitioner:
     """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float) -> None:
+                 started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
+                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
+                 device_speed: costs.DeviceSpeed | None = None) -> None:
         self.num_params = num_params
+        self.sync_ranks = sync_ranks
+        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
+        group of more than one rank is initialized."""
+        self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
+        self.offload = offload
+        # None: measure this machine (outside any fake mode); fake-tensor planning passes a
+        # named device's figures, since nothing may run there.
+        self.device_speed = device_speed
         self.budget = budget
         self.solver = solver
         self.options = options
         self.started_s = started_s
+        self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
 
     def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
+                 static_lifetime_input_indices: Any = None,
                  **_: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """AOTAutograd names the parameters and buffers among the primals in
+        `static_lifetime_input_indices` (under torch.compile they are interleaved with
+        the user's inputs); without it, the first `num_params` primals are parameters."""
         try:
-            return self._partition(joint, num_fwd_outputs)
+            return self._partition(joint, num_fwd_outputs, static_lifetime_input_indices)
         except RematError as e:  # AOTAutograd may wrap exceptions; keep ours to re-raise
             self.error = e
             raise
 
-    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int):
+    def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        speed = costs.device_speed("cpu")
+        speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
+        cost_s = costs.cost_function(self.cost_model, speed)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
-                           budget_bytes=0, cost_s=lambda node: costs.node_cost_s(node, speed))
+                           budget_bytes=0, cost_s=cost_s,
+                           param_indices=tuple(param_indices) if param_indices else None)
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
+        gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise _infeasible(gp, plan, budget_bytes, baseline)
+            raise _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
@@ -94,16 +116,20 @@ class Partitioner:
         return fw, bw
 
 
-def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int) -> InfeasibleBudgetError:
-    """The error for a budget below every reachable peak, with the smallest one."""
+def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int,
+                offload: Any = "auto") -> InfeasibleBudgetError:
+    """The error for a budget below every reachable peak, with the smallest one (and,
+    when offload is off, the floor offload would reach)."""
     reach = min(
         [plan.peak_bytes]
         + [solve(gp.problem.with_budget(0), s).peak_bytes for s in ("all", "chen-greedy")]
     )
+    if gp.problem.offload_bandwidth_bytes_per_s is not None:
+        reach = min(reach, offload_floor_bytes(gp.problem))
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} is below the smallest reachable peak "
         f"{format_bytes(reach)} for this model and input shapes (no-remat peak "
         f"{format_bytes(baseline)}); raise the budget to at least {reach} bytes or shrink "
-        "the batch",
+        f"the batch{offload_hint(gp, reach, offload)}",
         budget_bytes=budget_bytes, min_peak_bytes=reach,
     )

@@ -24,8 +24,11 @@ import dataclasses
 import logging
 import time
 
-from solvers.base import Options
-from solvers.problem import Plan, Problem
+from collections.abc import Mapping
+
+from solvers.base import Options, finish
+from solvers.problem import Decision, Plan, Problem, Status
+from solvers.simulate import evaluate
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
 
 log = logging.getLogger(__name__)
@@ -39,7 +42,12 @@ class AutoOptions(Options):
     brute_max: int = 12
     """Largest number of decision values solved by exhaustive enumeration."""
     default_time_limit_s: float = 10.0
-    """Time limit given to `ilp` and `layers` when time_limit_s is None."""
+    """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
+    seconds)."""
+    hint: Mapping[int, Decision] | None = None
+    """A plan to start from (passed to `ilp` as its warm start); the returned plan is
+    never worse than it: it fits if the hint does, and costs no more (or, when nothing
+    fits, peaks no higher)."""
 
 
 def choose(problem: Problem, options: AutoOptions) -> list[str]:
@@ -53,6 +61,20 @@ def choose(problem: Problem, options: AutoOptions) -> list[str]:
     return [name for name in order if name in SOLVERS]
 
 
+def _no_worse_than(problem: Problem, plan: Plan, hint: Mapping[int, Decision]) -> Plan:
+    """`plan`, or the hint where the hint is better (fits when the plan does not, is
+    cheaper, or peaks lower when neither fits)."""
+    ev = evaluate(problem, hint)
+    if ev.fits:
+        better = plan.status is Status.INFEASIBLE or ev.cost_s < plan.objective_s
+    else:
+        better = plan.status is Status.INFEASIBLE and ev.peak_bytes < plan.peak_bytes
+    if not better:
+        return plan
+    return finish(problem, hint, plan.solver, started_s=time.perf_counter() - plan.solve_s,
+                  work_s=plan.work_s)
+
+
 def solve_auto(problem: Problem, options: Options) -> Plan:
     started = time.perf_counter()
     opts = options if isinstance(options, AutoOptions) else AutoOptions(
@@ -62,10 +84,16 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         if limit is None and name in ("ilp", "layers"):
             limit = opts.default_time_limit_s
         passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
+        if name == "ilp" and opts.hint is not None:
+            passed["hint"] = opts.hint
         try:
             plan = SOLVERS[name].run(problem, make_options(name, **passed))
         except UnsupportedProblem as error:
             log.info("auto: %s declined: %s", name, error)
             continue
+        if name == "layers" and plan.status is Status.INFEASIBLE:
+            continue  # its smallest peak is over its narrower space: let the next solver say
+        if opts.hint is not None:
+            plan = _no_worse_than(problem, plan, opts.hint)
         return dataclasses.replace(plan, solver="auto", solve_s=time.perf_counter() - started)
     raise UnsupportedProblem("auto: no registered solver accepted the problem")

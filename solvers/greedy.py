@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from solvers.base import Options, finish
+from solvers.base import Options, WorkClock, finish
 from solvers.problem import Decision, Plan, Problem, decisions_all
 from solvers.simulate import PlanError, evaluate
 
@@ -31,36 +31,38 @@ _TINY_S = 1e-15  # keeps zero-cost values (views) first without dividing by zero
 
 def solve_greedy(problem: Problem, options: Options) -> Plan:
     started = time.perf_counter()
-    deadline = None if options.time_limit_s is None else started + options.time_limit_s
-    starts = [_shrink(problem, deadline)]
+    clock = WorkClock(options.time_limit_s)
+    starts = [_shrink(problem, clock)]
     for name in ("chen-greedy", "all"):  # other starting points, trimmed the same way
         from solvers.registry import get  # late: the registry imports this module
 
-        starts.append(dict(get(name).run(problem, options).decisions))
+        plan = get(name).run(problem, options)
+        clock.charge_s(plan.work_s)
+        starts.append(dict(plan.decisions))
     best: tuple[tuple[int, float, int], dict[int, Decision]] | None = None
     for decisions in starts:
-        decisions = _trim(problem, decisions, deadline)
+        decisions = _trim(problem, decisions, clock)
         ev = evaluate(problem, decisions)
         key = (0 if ev.fits else 1, ev.cost_s if ev.fits else float(ev.peak_bytes), ev.peak_bytes)
         if best is None or key < best[0]:
             best = (key, decisions)
-    return finish(problem, best[1], "greedy", started_s=started)
+    return finish(problem, best[1], "greedy", started_s=started, work_s=clock.spent_s)
 
 
-def _shrink(problem: Problem, deadline: float | None) -> dict[int, Decision]:
+def _shrink(problem: Problem, clock: WorkClock) -> dict[int, Decision]:
     """Flip the cheapest bytes to RECOMPUTE while the peak does not rise, until it fits."""
     nodes = problem.nodes
     decisions = decisions_all(problem, Decision.SAVE)
-    peak = evaluate(problem, decisions).peak_bytes
+    peak = _peak(problem, decisions, clock)
     order = sorted(
         (i for i in problem.decision_ids if nodes[i].recomputable and nodes[i].alias_of is None),
         key=lambda i: (-nodes[i].out_bytes / max(nodes[i].compute_s, _TINY_S), -nodes[i].out_bytes, i),
     )
     for i in order:
-        if peak <= problem.budget_bytes or _late(deadline):
+        if peak <= problem.budget_bytes or clock.expired:
             break
         decisions[i] = Decision.RECOMPUTE
-        new_peak = _peak(problem, decisions)
+        new_peak = _peak(problem, decisions, clock)
         if new_peak is not None and new_peak <= peak:
             peak = new_peak
         else:
@@ -68,30 +70,28 @@ def _shrink(problem: Problem, deadline: float | None) -> dict[int, Decision]:
     return decisions
 
 
-def _trim(problem: Problem, decisions: dict[int, Decision], deadline: float | None) -> dict[int, Decision]:
+def _trim(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> dict[int, Decision]:
     """If the plan fits, flip recomputed values back to SAVE, most expensive first,
     while it still fits."""
     decisions = dict(decisions)
-    if (_peak(problem, decisions) or problem.budget_bytes + 1) > problem.budget_bytes:
+    if (_peak(problem, decisions, clock) or problem.budget_bytes + 1) > problem.budget_bytes:
         return decisions
     nodes = problem.nodes
     recomputed = [i for i, d in decisions.items() if d is Decision.RECOMPUTE and nodes[i].recomputable]
     for i in sorted(recomputed, key=lambda i: (-nodes[i].compute_s, nodes[i].out_bytes, i)):
-        if _late(deadline):
+        if clock.expired:
             break
         decisions[i] = Decision.SAVE
-        new_peak = _peak(problem, decisions)
+        new_peak = _peak(problem, decisions, clock)
         if new_peak is None or new_peak > problem.budget_bytes:
             decisions[i] = Decision.RECOMPUTE
     return decisions
 
 
-def _late(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() > deadline
-
-
-def _peak(problem: Problem, decisions: dict[int, Decision]) -> int | None:
+def _peak(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> int | None:
     try:
-        return evaluate(problem, decisions).peak_bytes
+        ev = evaluate(problem, decisions)
     except PlanError:
         return None
+    clock.charge_steps(len(ev.steps))
+    return ev.peak_bytes

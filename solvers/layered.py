@@ -32,7 +32,7 @@ import math
 import time
 
 from solvers import dp_fronts as fronts
-from solvers.base import finish
+from solvers.base import WorkClock, finish
 from solvers.dp import DPOptions, _cheapest, block_tables
 from solvers.dp_structure import analyze
 from solvers.problem import Decision, Phase, Plan, Problem
@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayersOptions(DPOptions):
-    """Options of `layers` (those of `dp`): time_limit_s bounds building the block
-    tables; past it the solver declines with UnsupportedProblem."""
+    """Options of `layers` (those of `dp`): time_limit_s (deterministic seconds) bounds
+    building the block tables; past it the solver declines with UnsupportedProblem."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,15 +126,15 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     if not problem.decision_ids:
         return finish(problem, {}, "layers", started_s=started, optimal=True, lower_bound_s=0.0)
     limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
-    deadline = math.inf if options.time_limit_s is None else started + options.time_limit_s
+    clock = WorkClock(options.time_limit_s)
     kept = kept_values(problem)
     red = fold_views(problem, kept)
     fixed = _behind(red.problem, frozenset(red.reduced_id(v) for v in kept))
     try:
         seq = analyze(red.problem, fixed=fixed)
-        tables = block_tables(red.problem, seq, limit, deadline, fixed)
+        tables = block_tables(red.problem, seq, limit, clock, fixed)
     except UnsupportedProblem as error:
-        raise UnsupportedProblem(f"layers (on dp's block machinery): {error}") from None
+        raise UnsupportedProblem(f"layers (on dp's block machinery): {error}", work_s=clock.spent_s) from None
     budget = problem.budget_bytes
     found = _cheapest(tables, seq.initial_bytes, budget)
     if found is None:  # nothing fits: the least peak, then the cheapest plan at that peak
@@ -148,7 +148,8 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     ev = evaluate(problem, decisions)
     bound = _bound(problem, tables, seq.initial_bytes, kept, ev.cost_s, ev.peak_bytes, (cost, peak))
     return finish(problem, decisions, "layers", started_s=started,
-                  optimal=bound is not None and bound >= ev.cost_s * (1 - 1e-9), lower_bound_s=bound)
+                  optimal=bound is not None and bound >= ev.cost_s * (1 - 1e-9), lower_bound_s=bound,
+                  work_s=clock.spent_s)
 
 
 def _bound(problem: Problem, tables: list, initial_bytes: int, kept: frozenset[int], cost_s: float,

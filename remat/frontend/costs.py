@@ -33,7 +33,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "REMAT_CACHE_DIR"
-CACHE_FILE = "device_speed.json"
+CACHE_FILE = "device_speed.v2.json"
+"""v2: v1 files may hold figures timed under AOTAutograd's FakeTensorMode (fake ops, about
+200x too fast); `device_speed` now always measures real kernels."""
 
 
 # --- FLOPs -----------------------------------------------------------------------------
@@ -116,11 +118,13 @@ class FlopCounter(TorchDispatchMode):
 
 
 def _as_int(value: Any) -> int:
-    """An int from an int or a SymInt (its hint, so symbolic shapes cost their example)."""
+    """An int from an int or a SymInt: its optimization hint (the example size dynamo
+    compiled with), which installs no guard. torch 2.13 replaced `hint_int` with
+    `optimization_hint`; `int(sym)` would specialize the graph to the example."""
     if isinstance(value, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import hint_int
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-        return int(hint_int(value))
+        return int(optimization_hint(value, fallback=4096))
     return int(value)
 
 
@@ -297,12 +301,22 @@ def device_speed(
             return DeviceSpeed(**table[key])
         except (TypeError, ValueError) as err:
             log.warning("ignoring bad cache entry %r in %s: %s", key, path, err)
-    speed = measure_device_speed(device, dtype=dtype)
+    speed = _measure_real(device, dtype)
     table[key] = dataclasses.asdict(speed)
     _write_cache(path, table)
     log.info("measured %s: %.3g FLOP/s, %.3g B/s (cached in %s)", key,
              speed.peak_flops_per_s, speed.bandwidth_bytes_per_s, path)
     return speed
+
+
+def _measure_real(device: str | torch.device, dtype: torch.dtype) -> DeviceSpeed:
+    """Measure with real tensors even when called while AOTAutograd or inductor trace
+    (under FakeTensorMode and proxy modes, a microbenchmark would time fake ops)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        return measure_device_speed(device, dtype=dtype)
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
@@ -338,3 +352,47 @@ def estimate_s(flops: float, bytes_moved: float, speed: DeviceSpeed) -> float:
 def node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
     """Estimated seconds to run one node once."""
     return estimate_s(node_flops(node), node_bytes_moved(node), speed)
+
+
+# --- Cost models -----------------------------------------------------------------------
+
+COST_MODELS = ("eager", "compiled")
+"""How a node's time is estimated (`Partitioner(cost_model=...)`, `remat.plan`/`remat.backend`):
+
+- ``"eager"``: every op runs as its own kernel: the roofline of its FLOPs and of all the
+  bytes it reads and writes. Right for `remat.plan` and `compiler="eager"`.
+- ``"compiled"``: the graphs run under inductor, which fuses pointwise ops into one kernel
+  with their consumers. A pointwise op (ATen's ``pointwise`` tag) then never writes its
+  result and reads from memory only the inputs a fused chain cannot keep in registers: the
+  outputs of non-pointwise ops (matmuls, reductions, placeholders). So its cost is those
+  input bytes over the bandwidth, and recomputing a GELU or a dropout-free residual chain
+  costs memory traffic, not a kernel. Matmuls, convolutions, reductions and extern kernels
+  keep the eager roofline. The default of `remat.backend` (inductor).
+"""
+
+
+def _is_pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in target.tags)
+
+
+def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
+    """Seconds for one node when inductor fuses pointwise chains (see `COST_MODELS`)."""
+    if not _is_pointwise(node):
+        return node_cost_s(node, speed)
+    read = sum(
+        _tensor_bytes(_val(arg)) for arg in node.all_input_nodes if not _is_pointwise(arg)
+    )
+    return read / speed.bandwidth_bytes_per_s
+
+
+def cost_function(cost_model: str, speed: DeviceSpeed):
+    """`node -> seconds` of the named cost model (one of `COST_MODELS`)."""
+    if cost_model == "eager":
+        return lambda node: node_cost_s(node, speed)
+    if cost_model == "compiled":
+        return lambda node: compiled_node_cost_s(node, speed)
+    from remat.errors import RematError
+
+    raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")

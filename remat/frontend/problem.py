@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import fx
@@ -65,23 +65,28 @@ def build_problem(
     num_params: int,
     budget_bytes: int,
     cost_s: Callable[[fx.Node], float],
+    param_indices: Collection[int] | None = None,
 ) -> GraphProblem:
-    """The planning problem of `joint` (the first `num_params` primals are parameters
-    and buffers; the rest are user inputs)."""
+    """The planning problem of `joint`. Parameters and buffers are the primals at
+    `param_indices` (positions among all primals, SymInts included: under torch.compile
+    dynamo interleaves them with user inputs and AOTAutograd names them in
+    `static_lifetime_input_indices`); without it, the first `num_params` primals."""
     info = classify_nodes(joint, [], num_fwd_outputs)
+    params = frozenset(range(num_params) if param_indices is None else param_indices)
     items: dict[str, _Item] = {}  # value name -> item
     seen_storage: set[int] = set()
-    primal_index = 0
+    primal_index = -1
     for node in joint.graph.nodes:
         if node.op == "placeholder":
+            is_tangent = node.name.startswith("tangents")
+            primal_index += 0 if is_tangent else 1
             val = tensor_val(node)
             if val is None:
                 continue
-            if node.name.startswith("tangents"):
+            if is_tangent:
                 phase = Phase.BACKWARD
             else:
-                phase = Phase.PARAM if primal_index < num_params else Phase.INPUT
-                primal_index += 1
+                phase = Phase.PARAM if primal_index in params else Phase.INPUT
             key = storage_key(val)
             nbytes = 0 if key in seen_storage else storage_bytes(val)
             seen_storage.add(key)

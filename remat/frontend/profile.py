@@ -20,7 +20,13 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
+    """Bytes of the tensor's storage; a symbolic size counts as its hint (no guard)."""
+    nbytes = t.untyped_storage().nbytes()
+    if isinstance(nbytes, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(nbytes, fallback=4096))
+    return int(nbytes)
 
 
 def source_line(node: fx.Node) -> str:
@@ -48,6 +54,10 @@ def source_line(node: fx.Node) -> str:
 def never_replay_reason(node: fx.Node) -> str | None:
     """Why this op must never be recomputed, or None if it may be."""
     target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        # with_effects (ordered side effects), invoke_subgraph, ...: min-cut saves these
+        # (`force_save_effectful_ops`); replaying one would repeat its effect.
+        return f"higher-order op {target.name()}"
     if not isinstance(target, torch._ops.OpOverload):
         return None
     tags = set(target.tags)

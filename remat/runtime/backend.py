@@ -1,75 +1,263 @@
-"""remat as a `torch.compile` backend: plan every captured graph under the budget.
+"""remat as a `torch.compile` backend: remat partitions, inductor compiles.
 
     backend = remat.backend(budget="60%")
     compiled = torch.compile(model, backend=backend)
     compiled(x).loss.backward()
     backend.steps  # one PlannedStep per graph dynamo captured
 
-Each graph dynamo hands over is traced by AOTAutograd and partitioned by remat's
-planner, exactly as `remat.plan` does; the forward and backward modules run eagerly.
+Each graph dynamo hands over goes to inductor's `compile_fx` with remat's planner installed
+as inductor's `custom_partitioner_fn` (a `CustomPartitionerFn`, one per backend instance):
+AOTAutograd traces the joint graph, inductor runs its joint-graph passes, remat plans the
+result under the budget and returns the forward and backward graphs, and inductor
+compiles those into fused kernels. `compiler="eager"` runs remat's graphs op by op
+instead (bit-exact against eager on CPU; for debugging).
+
+What inductor may change after the partition, and what remat pins:
+- `reorder_for_peak_memory` is off: remat's memory model (`solvers.simulate`) is the
+  op-by-op order remat emits; inductor's reordering picks among orders by its own
+  estimate, which measured higher than remat's order on some plans (notes: the ranking of
+  two plans flipped). Fusion and buffer reuse stay on: they only drop or share buffers.
+- `emulate_precision_casts` is on: under bf16 autocast a fused recomputation would keep an
+  intermediate in fp32 where the saved value was rounded to bf16 (max gradient difference
+  0.0156 measured), so the gradients would depend on which values remat recomputed. With
+  it, every plan gives the same gradients as saving everything under inductor.
+
 The budget is a promise per captured graph: a model that compiles to one graph
-(`fullgraph=True`) gets the same guarantee as `remat.plan`. Unlike `remat.plan`, every
-differentiable output of the graph gets a gradient input (dynamo's graph does not know
-which output is the loss), which the plan accounts for.
+(`fullgraph=True`) gets the same guarantee as `remat.plan`; with graph breaks each graph
+is planned under the same budget (a percentage: of that graph's own no-remat peak), and
+the summary says so. Unlike `remat.plan`, every differentiable output of the graph gets a
+gradient input (dynamo's graph does not know which output is the loss).
+
+Caches: by default remat's compiles bypass inductor's FX-graph cache and AOTAutograd's
+cache, so that every compile plans (and `steps`/`summary` describe what runs) on this
+machine's measured costs. `cache=True` keeps both caches: the key holds the partitioner's
+`uuid()`, which covers everything a plan depends on (budget, solver and its options, cost
+model, the device figures, remat's source), so a hit reuses a plan made from the same
+inputs; on a hit remat is not called, and `cache_hits` counts it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx
 
+from remat import distributed
 from remat.budget import check_budget_syntax
-from remat.errors import RematError, UnknownSolverError
+from remat.errors import CompositionError, RematError, UnknownSolverError
+from remat.frontend import costs
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
 from solvers import SOLVERS
 
+COMPILERS = ("inductor", "eager")
+
+# Inductor settings remat pins for what it compiles (see the module docstring).
+PINNED_INDUCTOR_CONFIG: dict[str, Any] = {
+    "reorder_for_peak_memory": False,
+    "emulate_precision_casts": True,
+}
+
 
 class RematBackend:
     """A callable `torch.compile` backend that records what it planned."""
 
-    def __init__(self, *, budget: int | str, solver: str = "auto", **options: Any) -> None:
+    def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
+                 cost_model: str | None = None, cache: bool = False, mode: str | None = None,
+                 inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
+                 **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
+        if compiler not in COMPILERS:
+            raise RematError(f"unknown compiler={compiler!r}; valid compilers: {list(COMPILERS)}")
+        cost_model = cost_model or ("compiled" if compiler == "inductor" else "eager")
+        if cost_model not in costs.COST_MODELS:
+            raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(costs.COST_MODELS)}")
         check_budget_syntax(budget)
         self.budget = budget
         self.solver = solver
+        self.compiler = compiler
+        self.cost_model = cost_model
+        self.cache = cache
+        self.mode = mode
+        self.inductor_options = dict(inductor_options or {})
         self.options = dict(options)
+        self.sync_ranks = sync_ranks
         self.steps: list[PlannedStep] = []
+        self.cache_hits = 0
+        """Graphs whose compiled code came from torch's caches (remat was not called)."""
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        num_params = len(dict(gm.named_parameters(remove_duplicate=False))) + len(
-            dict(gm.named_buffers(remove_duplicate=False)))
-        partitioner = Partitioner(num_params=num_params, budget=self.budget, solver=self.solver,
-                                   options=self.options, started_s=time.perf_counter())
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable[..., Any]:
+        """Compile one graph dynamo captured; `mode`/`options` come from `torch.compile`."""
+        if self.cache and self.sync_ranks is not False and distributed.world_size() > 1:
+            raise CompositionError(
+                "remat.backend(cache=True) under torch.distributed: a rank that hits torch's "
+                "compile cache skips planning while its peers wait for it in the plan exchange "
+                "(a hang); use cache=False (the default) or sync_ranks=False")
+        partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
+                                  options=self.options, started_s=time.perf_counter(),
+                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks)
         try:
-            compiled = aot_module_simplified(
-                gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
-                bw_compiler=boxed_eager_compiler, partition_fn=partitioner,
-            )
-        except Exception:
-            if partitioner.error is not None:
-                raise partitioner.error from None
+            if self.compiler == "eager":
+                compiled = _compile_eager(gm, example_inputs, partitioner)
+            else:
+                patches = self._inductor_config(mode or self.mode, options, partitioner)
+                compiled = _compile_inductor(gm, example_inputs, patches, cache=self.cache)
+        except Exception as e:
+            error = partitioner.error or (e if isinstance(e, RematError) else None)
+            if error is not None:
+                raise passthrough(error) from None
             raise
         if partitioner.step is not None:
             self.steps.append(partitioner.step)
+        else:
+            self.cache_hits += 1
         return compiled
+
+    def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
+                         partitioner: Partitioner) -> dict[str, Any]:
+        from torch._inductor import list_mode_options
+
+        patches = dict(list_mode_options(mode)) if mode else {}
+        patches.update(self.inductor_options)
+        patches.update(options or {})
+        patches.update(PINNED_INDUCTOR_CONFIG)
+        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid())
+        if not self.cache:
+            patches["fx_graph_cache"] = False
+        return patches
+
+    def uuid(self) -> tuple[str, ...]:
+        """Everything a plan depends on besides the graph and its input shapes (which
+        torch's cache key holds already)."""
+        return (
+            "remat", _source_hash(), repr(self.budget), self.solver,
+            repr(sorted(self.options.items())), self.cost_model, _device_fingerprint(),
+        )
 
     def summary(self) -> str:
         if not self.steps:
+            if self.cache_hits:
+                raise RematError(
+                    f"{self.cache_hits} graph(s) came from torch's compile cache, so remat did not "
+                    "plan them in this process; build the backend with cache=False (the default) "
+                    "for a report")
             raise RematError("nothing planned yet: run the compiled model under autograd first")
-        return "\n\n".join(summary(step) for step in self.steps)
+        head = (f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
+                "each planned on its own" if len(self.steps) > 1 else "")
+        compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
+        return "\n\n".join([line for line in (head, compiled) if line]
+                           + [summary(step) for step in self.steps])
 
 
-def backend(*, budget: int | str, solver: str = "auto", **options: Any) -> RematBackend:
-    """A `torch.compile` backend that rematerializes each captured graph under `budget`."""
-    return RematBackend(budget=budget, solver=solver, **options)
+def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematBackend:
+    """A `torch.compile` backend that rematerializes each captured graph under `budget`.
+
+    compiler: "inductor" (default; fused kernels) or "eager" (remat's graphs op by op,
+    bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
+    `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
+    see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
+    as `remat.plan`'s (rank 0's plan on every rank). Other keyword arguments go to the
+    solver."""
+    return RematBackend(budget=budget, solver=solver, **kwargs)
 
 
-__all__ = ["RematBackend", "backend"]
+@functools.lru_cache(maxsize=1)
+def _partitioner_class() -> type:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class _RematPartitionerFn(CustomPartitionerFn):
+        """remat's `Partitioner` in the shape inductor's `custom_partitioner_fn` takes.
+
+        torch deep-copies and pickles inductor's config for its cache key: the copy is the
+        object itself (its plan record must reach the backend), and it pickles as its uuid
+        (the planner state holds fx graphs and is not part of what the plan depends on)."""
+
+        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...]) -> None:
+            self.partitioner = partitioner
+            self._uuid = uuid
+
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+            return self.partitioner(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> tuple[str, ...]:
+            return self._uuid
+
+        def __deepcopy__(self, memo: dict[int, Any]) -> "_RematPartitionerFn":
+            return self
+
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (str, (repr(self._uuid),))
+
+    return _RematPartitionerFn
+
+
+def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
+    """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
+    only this backend needs it)."""
+    return _partitioner_class()(partitioner, uuid)
+
+
+def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    return aot_module_simplified(gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
+                                 bw_compiler=boxed_eager_compiler, partition_fn=partitioner)
+
+
+def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
+                      *, cache: bool):
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._functorch.config.patch(enable_autograd_cache=cache):
+        return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+
+def passthrough(error: RematError) -> RematError:
+    """The same error, also a dynamo `ShortenTraceback`: dynamo re-raises those as they
+    are instead of wrapping them in `BackendCompilerFailed`, so `except RematError` (and
+    `except InfeasibleBudgetError`) in user code sees remat's error from `torch.compile`."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    if isinstance(error, ShortenTraceback):
+        return error
+    cls = _passthrough_class(type(error))
+    out = cls.__new__(cls)
+    out.__dict__.update(error.__dict__)
+    out.args = error.args
+    out.first_useful_frame = None
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _passthrough_class(cls: type) -> type:
+    from torch._dynamo.exc import ShortenTraceback
+
+    return type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__})
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """Hash of remat's and the solvers' source: a changed planner never reuses old plans."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    root = Path(__file__).resolve().parents[2]
+    files = sorted(str(p) for d in ("remat", "solvers") for p in (root / d).rglob("*.py"))
+    return get_hash_for_files(tuple(files)).hex()
+
+
+def _device_fingerprint() -> str:
+    """The device figures plans are costed with, to two significant digits."""
+    speed = costs.device_speed("cpu")
+    return (f"{costs.device_key('cpu')}|{speed.peak_flops_per_s:.2g}|"
+            f"{speed.bandwidth_bytes_per_s:.2g}")
+
+
+__all__ = ["COMPILERS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "passthrough"]

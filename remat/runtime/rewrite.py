@@ -19,6 +19,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from remat.errors import UnsupportedGraphError
 from remat.frontend.problem import GraphProblem
+from remat.runtime.offload import insert_offloads
 from solvers import Decision, Evaluation, Plan, StepKind
 
 
@@ -31,25 +32,27 @@ def partition(
     num_fwd_outputs: int,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules of `plan` (whose simulation is `evaluation`)."""
-    if any(d is Decision.OFFLOAD for d in plan.decisions.values()):
-        raise UnsupportedGraphError("the eager rewriter does not offload yet; plan without offload")
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     # Only the saved values backward reads (directly or to recompute): extraction keeps
     # any saved value some copied node reads, even a dead random op it copied.
     read = _read_in_backward(graph_problem, evaluation)
-    saved += [
-        by_name[graph_problem.value_name[i]]
-        for i, d in plan.decisions.items()
-        if d is Decision.SAVE and i in read
-    ]
-    fw, bw = _extract_fwd_bwd_modules(joint, saved, [], num_fwd_outputs=num_fwd_outputs)
+    kept = [graph_problem.value_name[i] for i, d in plan.decisions.items()
+            if d in (Decision.SAVE, Decision.OFFLOAD) and i in read]
+    saved += [by_name[name] for name in kept]
+    offloaded = {graph_problem.value_name[i] for i, d in plan.decisions.items()
+                 if d is Decision.OFFLOAD and i in read}
+    saved_sym = _saved_sym_nodes(joint)
+    saved = [n for n in saved if n not in saved_sym]
+    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
     _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
-    _reorder(bw, _backward_rank(graph_problem, evaluation))
+    rank = _backward_rank(graph_problem, evaluation)
+    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank))
+    _reorder(bw, rank)
     fw.graph.lint()
     bw.graph.lint()
     fw.recompile()
@@ -57,13 +60,43 @@ def partition(
     return fw, bw
 
 
+def _saved_sym_nodes(joint: fx.GraphModule) -> list[fx.Node]:
+    """SymInts the backward reads (dynamic shapes): symbolic placeholders and forward
+    size computations. AOTAutograd hands them to backward as `saved_sym_nodes`, as its
+    min-cut partitioner does; a SymInt passed as a saved tensor value breaks extraction
+    ("Node ... was invalid, but is output"). They cost no device memory."""
+    from torch._functorch.partitioners import is_sym_node
+
+    sym = []
+    for node in joint.graph.nodes:
+        if not is_sym_node(node) or node.name.startswith("tangents"):
+            continue
+        if node.op == "placeholder" or not _depends_on_tangents(node):
+            sym.append(node)
+    return sym
+
+
+def _depends_on_tangents(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _read_in_backward(graph_problem: GraphProblem, evaluation: Evaluation) -> set[int]:
-    """Problem ids read by some backward, recompute or reload step."""
+    """Problem ids read by some backward or recompute step (a reload reads the host
+    copy, not the value's inputs)."""
     nodes = graph_problem.problem.nodes
     return {
         j
         for step in evaluation.steps
-        if step.kind is not StepKind.FORWARD
+        if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
         for j in nodes[step.node_id].inputs
     }
 

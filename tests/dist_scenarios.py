@@ -1,0 +1,201 @@
+"""Scenarios run inside each rank of a real gloo process group (spawned by
+`test_distributed.py`, once per test module). Each returns plain facts that the tests
+assert on in the parent: equality verdicts, counts, decisions. Nothing is mocked: the
+collectives are gloo's, the model is a transformers Qwen2 built from a config."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pickle
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import remat
+
+WORLD = 2
+
+
+def qwen2(layers: int = 4) -> nn.Module:
+    """A narrow Qwen2 causal LM, seeded: the same weights on every rank."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                         use_cache=False, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).train()
+
+
+def rank_batch(rank: int, step: int = 0) -> dict[str, torch.Tensor]:
+    """Each rank its own tokens (and each step its own)."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    ids = torch.randint(0, 128, (4, 32), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+class CountingHooks:
+    """DDP's default all-reduce, counted: which buckets fired and how large they were,
+    and how many gradients were accumulated per parameter."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.step = 0
+        self.buckets: list[tuple[int, int, int]] = []  # (step, bucket index, numel)
+        self.accumulated: Counter[str] = Counter()
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _p, name=name: self.accumulated.update([name]))
+
+    def allreduce(self, state, bucket):  # unannotated: DDP checks the hook's annotations
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.buckets.append((self.step, bucket.index(), bucket.buffer().numel()))
+        return allreduce_hook(state, bucket)
+
+
+def ddp_grads_equal() -> dict[str, Any]:
+    """DDP(remat.plan(model)) against DDP(model), two steps, each rank its own data."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    model = qwen2()
+    reference = copy.deepcopy(model)
+    planned = remat.plan(model, (), rank_batch(rank), budget="70%", solver="chen-greedy")
+    # Small buckets (0.1 MB of ~0.66 MB of gradients): several all-reduces per step.
+    ours, theirs = DDP(planned, bucket_cap_mb=0.1), DDP(reference, bucket_cap_mb=0.1)
+    hooks_ours, hooks_theirs = CountingHooks(model), CountingHooks(reference)
+    ours.register_comm_hook(None, hooks_ours.allreduce)
+    theirs.register_comm_hook(None, hooks_theirs.allreduce)
+    losses = []
+    for step in range(2):
+        hooks_ours.step = hooks_theirs.step = step
+        batch = rank_batch(rank, step)
+        loss = ours(**batch).loss
+        loss.backward()
+        theirs(**batch).loss.backward()
+        losses.append(loss.item())
+    grads = [(n, p.grad) for n, p in model.named_parameters()]
+    ref_grads = dict(reference.named_parameters())
+    return {
+        "grads_equal": all(torch.equal(g, ref_grads[n].grad) for n, g in grads),
+        "losses": losses,
+        "grad_checksum": float(sum(g.double().sum() for _, g in grads)),
+        "buckets": (hooks_ours.buckets, hooks_theirs.buckets),
+        "accumulated": (dict(hooks_ours.accumulated), dict(hooks_theirs.accumulated)),
+        "num_params": len(grads),
+        "num_elements": sum(g.numel() for _, g in grads),
+        "recomputed": len(planned.step.evaluation.recomputed_ids),
+        "decisions": tuple(d.value for d in planned.plan.decisions.values()),
+        "library_trace_path": planned.step.library_trace_path,
+    }
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def plans_agree() -> dict[str, Any]:
+    """Ranks asking for different solvers still run one plan: rank 0's."""
+    rank = dist.get_rank()
+    planned = remat.plan(TwoLayer(), (torch.randn(16, 32),), budget="100%",
+                         solver="none" if rank == 0 else "all")
+    return {"solver": planned.plan.solver,
+            "decisions": tuple(d.value for d in planned.plan.decisions.values())}
+
+
+class AllReduceScale(nn.Module):
+    """A forward that all-reduces a statistic (as tensor/sequence parallel layers do)
+    and uses it in a differentiable product, so backward needs the collective's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        h = torch.tanh(self.a(x))
+        scale = funcol.all_reduce(h.detach().pow(2).mean(), "sum", dist.group.WORLD)
+        return (torch.tanh(self.b(h)) * scale).sum()
+
+
+def _collective_nodes(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and "c10d" in str(n.target)]
+
+
+def collectives_never_recomputed() -> dict[str, Any]:
+    """Plan a forward with a functional all_reduce under the 'recompute everything' solver."""
+    rank = dist.get_rank()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    model = AllReduceScale()
+    reference = copy.deepcopy(model)
+    planned = remat.plan(model, (x,), budget="100%", solver="all")
+    planned(x).backward()
+    reference(x).backward()
+    return {
+        "forward_collectives": _collective_nodes(planned.step.forward),
+        "backward_collectives": _collective_nodes(planned.step.backward),
+        "recomputed": len(planned.step.evaluation.recomputed_ids),
+        "grads_equal": all(torch.equal(a.grad, b.grad)
+                           for a, b in zip(model.parameters(), reference.parameters())),
+    }
+
+
+def fsdp2_plan_refused() -> dict[str, Any]:
+    """remat.plan over a fully_shard-ed model: a CompositionError, before any tracing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = qwen2(layers=2)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        remat.plan(model, (), rank_batch(dist.get_rank()), budget="70%")
+    except remat.CompositionError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "ddp": ddp_grads_equal,
+    "agree": plans_agree,
+    "funcol": collectives_never_recomputed,
+    "fsdp2_plan": fsdp2_plan_refused,
+}
+
+
+def worker(rank: int, port: int, out_dir: str, names: tuple[str, ...]) -> None:
+    """One rank: run every scenario, pickle {name: facts or the traceback}."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    try:
+        for name in names:
+            try:
+                results[name] = SCENARIOS[name]()
+            except Exception:  # reported per scenario; the other ranks see it too
+                results[name] = {"traceback": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+        dist.destroy_process_group()

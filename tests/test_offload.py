@@ -1,0 +1,121 @@
+"""OFFLOAD executed: below the recompute-only floor, plans move activations to the host
+store; the measured peak stays under the budget and within 3% of the prediction, and the
+step stays bit-for-bit equal to eager (dropout and BatchNorm included)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat import zoo
+from remat.errors import InfeasibleBudgetError, RematError
+from remat.frontend.offloading import OffloadError, resolve_bandwidth
+from remat.measure import LiveBytesTracker, measure_step
+from remat.runtime.offload import StoredLayout, reload, store
+from solvers import Decision
+
+PEAK_TOLERANCE = 0.03
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _floor(case: zoo.ModelCase) -> InfeasibleBudgetError:
+    """The recompute-only floor, as remat states it (offload off: the CPU default)."""
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, solver="chen-greedy")
+    return info.value
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
+    case = zoo.build(name, size="tiny")
+    model = case.model
+    floor = _floor(case).min_peak_bytes
+    budget = int(floor * 0.9)
+    planned = remat.plan(model, case.args, case.kwargs, budget=budget, solver="auto", offload=True)
+    assert planned.plan.count(Decision.OFFLOAD) > 0
+    assert planned.step.evaluation.offload_bytes > 0
+    assert planned.predicted_peak_bytes <= budget
+    # the emitted modules really store and reload
+    assert "offload_store" in planned.step.forward.code
+    assert "offload_reload" in planned.step.backward.code
+
+    torch.manual_seed(1)
+    m = measure_step(lambda: planned(*case.args, **case.kwargs).loss.backward(),
+                     register=(model, case.args, case.kwargs))
+    assert m.peak_bytes <= budget
+    assert abs(planned.predicted_peak_bytes - m.peak_bytes) <= PEAK_TOLERANCE * m.peak_bytes
+    assert planned.predicted_peak_bytes >= m.peak_bytes
+
+    for p in model.parameters():
+        p.grad = None
+    eager = copy.deepcopy(model)  # after the measured step, which moved BatchNorm's stats
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for k in range(2):
+        torch.manual_seed(10 + k)
+        out_e = eager(*case.args, **case.kwargs)
+        out_e.loss.backward()
+        torch.manual_seed(10 + k)
+        out_p = planned(*case.args, **case.kwargs)
+        out_p.loss.backward()
+        assert torch.equal(out_p.loss, out_e.loss)
+        for (pname, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(b.grad, a.grad), f"step {k}: gradient of {pname} differs"
+        opt_e.step(), opt_p.step()
+        opt_e.zero_grad(set_to_none=True), opt_p.zero_grad(set_to_none=True)
+    for key, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_infeasible_without_offload_names_the_offload_floor():
+    case = zoo.build("mlp", size="tiny")
+    err = _floor(case)
+    assert "offload=True" in str(err)
+    # the floor it names is reachable with offload on
+    floor = int(str(err).split("would reach")[1].split("(")[1].split(" B)")[0])
+    assert floor < err.min_peak_bytes
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=floor, solver="ilp", offload=True)
+    assert planned.predicted_peak_bytes <= floor
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, "cuda"])
+def test_unknown_offload_value_is_refused_before_tracing(bad):
+    case = zoo.build("mlp", size="tiny")
+    with pytest.raises(OffloadError, match="offload="):
+        remat.plan(case.model, case.args, case.kwargs, budget="100%", offload=bad)
+    assert issubclass(OffloadError, RematError)
+
+
+def test_offload_default_is_off_on_cpu_and_a_device_without_host_link_is_refused():
+    assert resolve_bandwidth("auto", torch.device("cpu")) is None
+    assert resolve_bandwidth(False, torch.device("cpu")) is None
+    assert resolve_bandwidth(True, torch.device("cpu")) > 0
+    with pytest.raises(OffloadError, match="cannot offload from device meta"):
+        resolve_bandwidth(True, torch.device("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_host_store_round_trips_bits_and_is_invisible_to_the_tracker(dtype):
+    base = torch.randn(64, 48).to(dtype)
+    x = base.t()  # non-contiguous: the whole storage travels with its strides
+    layout = StoredLayout.of(x)
+    with LiveBytesTracker(register=(x,)) as tracker:
+        handle = store(x)
+        before = tracker.current_bytes
+        back = reload(handle, *layout.as_args())
+        after = tracker.current_bytes
+    assert before == x.untyped_storage().nbytes()  # the host copy is not device memory
+    assert after - before == layout.nbytes  # the reload is
+    assert back.stride() == x.stride() and back.dtype == x.dtype
+    assert torch.equal(back, x)
+    assert back.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
