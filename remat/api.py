@@ -35,7 +35,8 @@ class Planned(nn.Module):
     planned backward. Other input shapes are re-planned under the same budget."""
 
     def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
-                 sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None):
+                 sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None,
+                 compile: bool = False):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -49,6 +50,7 @@ class Planned(nn.Module):
         self.options = dict(options)
         self.sync_ranks = sync_ranks
         self.offload = offload
+        self.compile = compile
         self.training = model.training
 
     @property
@@ -97,7 +99,22 @@ class Planned(nn.Module):
                 "parameters"
             )
         step = dataclasses.replace(partitioner.step, library_trace_path=traced.library_trace_path)
+        if self.compile:
+            return step, self._inductor(flat, step), flat
         return step, traced.compiled, flat
+
+    def _inductor(self, flat: FlatModel, step: PlannedStep) -> Any:
+        """The same step through `torch.compile` with `remat.backend` (inductor) under the
+        bytes this plan resolved. Dynamo captures the flat model (only the loss
+        differentiable, as here), so the backend plans the same problem after inductor's
+        joint-graph passes; it compiles on the first call. `fullgraph=True`: one graph,
+        so the budget covers the whole step."""
+        from remat.runtime.backend import RematBackend
+
+        be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
+                          **self.options)
+        self.__dict__.setdefault("_remat_backends", []).append(be)
+        return torch.compile(flat, backend=be, fullgraph=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -111,9 +128,14 @@ class Planned(nn.Module):
 
     @property
     def step(self) -> PlannedStep:
+        """The plan that runs: with `compile=True`, inductor's once the first call compiled
+        it (before that, the eager plan made at `remat.plan`, which fixed the budget)."""
         cache = self.__dict__["_remat_cache"]
         if not cache:
             raise RematError("nothing planned yet: call remat.plan(model, args, budget=...)")
+        backends = self.__dict__.get("_remat_backends") or []
+        if backends and backends[0].steps:
+            return backends[0].steps[0]
         return next(iter(cache.values()))[0]
 
     @property
@@ -150,6 +172,7 @@ def plan(
     sync_ranks: bool | None = None,
     offload: bool | str = "auto",
     device_speed: DeviceSpeed | None = None,
+    compile: bool = False,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
@@ -170,7 +193,12 @@ def plan(
 
     device_speed: roofline figures for per-op costs (default: this machine, measured
     once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans
-    for another device)."""
+    for another device).
+
+    compile: run the planned step with inductor's fused kernels (`torch.compile` with
+    `remat.backend`, under the bytes resolved here); it compiles on the first call. The
+    budget is checked here, before anything runs; gradients then match eager up to
+    inductor's rounding instead of bit for bit."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
@@ -182,7 +210,7 @@ def plan(
         args = (args,)
     kwargs = dict(kwargs or {})
     planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
-                      offload=offload, device_speed=device_speed)
+                      offload=offload, device_speed=device_speed, compile=compile)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned
