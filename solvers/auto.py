@@ -26,9 +26,9 @@ import time
 
 from collections.abc import Mapping
 
-from solvers.base import Options, finish
+from solvers.base import Options, finish, hint_decisions
 from solvers.problem import Decision, Plan, Problem, Status
-from solvers.simulate import evaluate
+from solvers.simulate import PlanError, evaluate
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class AutoOptions(Options):
     default_time_limit_s: float = 10.0
     """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
     seconds)."""
-    hint: Mapping[int, Decision] | None = None
+    hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing
     fits, peaks no higher)."""
@@ -64,14 +64,18 @@ def choose(problem: Problem, options: AutoOptions) -> list[str]:
 def _no_worse_than(problem: Problem, plan: Plan, hint: Mapping[int, Decision]) -> Plan:
     """`plan`, or the hint where the hint is better (fits when the plan does not, is
     cheaper, or peaks lower when neither fits)."""
-    ev = evaluate(problem, hint)
+    try:
+        ev = evaluate(problem, hint_decisions(hint))
+    except PlanError:  # a plan of another graph: nothing to compare
+        log.warning("auto: the hint does not decide this problem's values; ignored")
+        return plan
     if ev.fits:
         better = plan.status is Status.INFEASIBLE or ev.cost_s < plan.objective_s
     else:
         better = plan.status is Status.INFEASIBLE and ev.peak_bytes < plan.peak_bytes
     if not better:
         return plan
-    return finish(problem, hint, plan.solver, started_s=time.perf_counter() - plan.solve_s,
+    return finish(problem, hint_decisions(hint), plan.solver, started_s=time.perf_counter() - plan.solve_s,
                   work_s=plan.work_s)
 
 
