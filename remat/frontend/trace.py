@@ -279,5 +279,7 @@ def _trace_failure_message(error: BaseException) -> str:
     return (
         f"could not trace the model into a joint graph{where}: {type(error).__name__}: {first}. "
         "remat needs a model whose control flow does not depend on tensor values "
-        "(no .item()/nonzero()-driven branches); rewrite that line or run it outside the model"
+        "(no .item()/nonzero()-driven branches); rewrite that line or run it outside the model, "
+        "or compile the model with torch.compile(model, backend=remat.backend(budget=...)), "
+        "which splits the graph at such a branch (e.g. layerdrop) and plans each piece"
     )

@@ -43,22 +43,28 @@ def sweep(
     time_limit_s: float | None = 5.0,
     on_point: Callable[[int, int], None] | None = None,
     known: Sequence[Plan] = (),
+    also_budgets: Sequence[int] = (),
 ) -> tuple[ParetoPoint, ...]:
     """`points` budgets evenly spaced from the floor to the no-remat peak, each solved
     with `solver`; every point reports the cheapest plan seen whose peak fits its budget
     (a plan found for a smaller budget fits a larger one), so extra compute never grows
     with the budget. `known`: plans already found (the plan being reported), so the
-    front is never worse than them. `on_point(done, total)` reports progress."""
+    front is never worse than them; `also_budgets` (their budgets) are added to the sweep
+    when they lie inside it, so the curve passes through them. `on_point(done, total)`
+    reports progress."""
     if points < 2:
         raise ValueError(f"points={points} must be at least 2 (the floor and the no-remat peak)")
     baseline_plan = _as_plan(problem, decisions_all(problem, Decision.SAVE), "none")
     floor, floor_plan = min_peak_bytes(problem, solver)
     top = max(baseline_plan.peak_bytes, floor)
-    budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)})
+    budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)}
+                     | {b for b in also_budgets if floor < b < top})
     found: list[Plan] = [baseline_plan, floor_plan, *known]
     for done, budget in enumerate(budgets):
         if on_point is not None:
             on_point(done, len(budgets))
+        if budget in also_budgets:
+            continue  # a known plan was solved for this budget already
         plan = solve(problem.with_budget(budget), solver, time_limit_s=time_limit_s)
         if plan.status is not Status.INFEASIBLE:
             found.append(plan)
