@@ -73,6 +73,10 @@ def test_measured_peak_under_budget_and_prediction(compiled):
     model.zero_grad(set_to_none=True)  # frees before the step are invisible to the profiler
     measured = measure_step(lambda: _loss(fn, x), register=(model, x), instrument="profiler")
     assert measured.peak_bytes <= step.evaluation.peak_bytes <= step.budget_bytes
+    model.zero_grad(set_to_none=True)
+    again = be.measure(lambda: _loss(fn, x), register=(model, x))
+    assert again.peak_bytes == measured.peak_bytes  # same compiled code, same allocations
+    assert f"measured peak:   {again.peak_bytes / 2**20:.2f} MiB" in be.summary()
 
 
 def test_no_recompile_on_second_call(compiled):
