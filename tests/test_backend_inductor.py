@@ -196,3 +196,4 @@ def test_plan_compile_true_runs_inductor_under_the_planned_bytes():
     assert step is not eager_plan
     assert step.budget_bytes == eager_plan.budget_bytes
     assert step.evaluation.peak_bytes <= step.budget_bytes
+
