@@ -15,6 +15,7 @@ from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
+from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
@@ -95,6 +96,10 @@ class Partitioner:
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
         plan = solve(gp.problem, self.solver, **self.options)
+        if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
+            # inductor: saving a fusible value costs traffic (remat.fusion); before the
+            # ranks agree, so every rank takes rank 0's result
+            plan = prefer_fused_recompute(joint, gp, plan, speed)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
