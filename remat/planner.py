@@ -13,7 +13,9 @@ from torch import fx
 from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
+from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
+from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
@@ -90,12 +92,19 @@ class Partitioner:
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None)
+        layers = layer_structure(joint, gp)
+        if layers is not None:  # repeated layers, for the solvers that use them
+            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
-        plan = solve(gp.problem, self.solver, **self.options)
+        plan = solve_with_floor(gp.problem, self.solver, self.options)
+        refusal = None
+        if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
+            plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=self.options,
+                                         baseline_bytes=baseline, offload=self.offload)
         if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
@@ -103,7 +112,7 @@ class Partitioner:
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise _infeasible(gp, plan, budget_bytes, baseline, self.offload)
+            raise refusal or _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)

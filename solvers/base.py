@@ -70,6 +70,15 @@ class WorkClock:
         return self.spent_s > self.limit_s
 
 
+def hint_decisions(hint: object) -> dict[int, Decision] | None:
+    """A `hint` option as decisions: a Plan, a mapping of decisions, or None."""
+    if hint is None:
+        return None
+    if isinstance(hint, Plan):
+        return dict(hint.decisions)
+    return dict(hint)  # type: ignore[call-overload]
+
+
 def finish(
     problem: Problem,
     decisions: Mapping[int, Decision],

@@ -58,7 +58,7 @@ from collections.abc import Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish
+from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish, hint_decisions
 from solvers.ilp_model import CanonicalModel
 from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
@@ -100,8 +100,8 @@ class ILPOptions(Options):
     """When no warm-start plan fits, the share of the time left after the warm start
     kept for the smallest-peak search (so that an impossible budget still gets its
     floor searched, not just the warm start's)."""
-    hint: Mapping[int, Decision] | None = None
-    """A plan (decisions for every decision value) to start from: the returned plan
+    hint: Mapping[int, Decision] | Plan | None = None
+    """A plan (or its decisions for every decision value) to start from: the returned plan
     fits if it does and is never costlier (never peaks higher, when nothing fits).
     `InfeasibleBudgetError.min_peak_plan` is one."""
 
@@ -288,7 +288,7 @@ def warm_start(problem: Problem, opts: ILPOptions, clock: WorkClock, until_s: fl
     proved its plan OPTIMAL (then it is returned)."""
     candidates = [decisions_all(problem, Decision.SAVE), decisions_all(problem, Decision.RECOMPUTE)]
     if opts.hint is not None:
-        candidates.insert(0, dict(opts.hint))
+        candidates.insert(0, hint_decisions(opts.hint))
     proven = None
     for name in opts.warm_start:
         remaining = until_s - clock.spent_s

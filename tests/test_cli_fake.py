@@ -59,7 +59,7 @@ def test_fake_plans_a_llama_7b_shaped_model_without_allocating_it(tmp_path):
     assert data["baseline_peak_bytes"] > 2 * 4 * psi
     rss_bytes = int(run.stdout.split("MAXRSS_KIB")[1].split()[0]) * 1024
     assert rss_bytes < 4 * psi / 2, f"max RSS {rss_bytes / 2**30:.2f} GiB"
-    assert data["predicted_peak_bytes"] <= data["budget_bytes"] and len(data["pareto"]) == 5
+    assert data["predicted_peak_bytes"] <= data["budget_bytes"] and len(data["pareto"]) >= 5
 
 
 def test_fake_planning_equals_real_planning_under_the_same_cost_model(tmp_path):
