@@ -18,6 +18,7 @@ from torch import nn
 from remat import distributed
 from remat.budget import check_budget_syntax
 from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
+from remat.frontend.costs import DeviceSpeed
 from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
 from remat.planner import Partitioner, PlannedStep
@@ -35,7 +36,8 @@ class Planned(nn.Module):
     planned backward. Other input shapes are re-planned under the same budget."""
 
     def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
-                 sync_ranks: bool | None = None, offload: Any = "auto"):
+                 sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None,
+                 compile: bool = False):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -43,6 +45,7 @@ class Planned(nn.Module):
         self._modules = model._modules
         self.__dict__["_remat_model"] = model
         self.__dict__["_remat_cache"] = {}
+        self.__dict__["_remat_device_speed"] = device_speed
         self.__dict__["_remat_refused"] = {}  # signature key -> InfeasibleBudgetError
         self.__dict__["_remat_shapes"] = {}  # signature key -> ShapePlan
         self.__dict__["_remat_runs"] = {}  # signature key -> forward calls
@@ -52,6 +55,7 @@ class Planned(nn.Module):
         self.options = dict(options)
         self.sync_ranks = sync_ranks
         self.offload = offload
+        self.compile = compile
         self.training = model.training
 
     @property
@@ -130,7 +134,8 @@ class Planned(nn.Module):
         bandwidth = resolve_bandwidth(self.offload, offload_device([*tensors, *flat.parameters()]))
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started, sync_ranks=self.sync_ranks,
-                                   offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload)
+                                   offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
+                                   device_speed=self.__dict__["_remat_device_speed"])
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -144,7 +149,22 @@ class Planned(nn.Module):
                 "parameters"
             )
         step = dataclasses.replace(partitioner.step, library_trace_path=traced.library_trace_path)
+        if self.compile:
+            return step, self._inductor(flat, step), flat
         return step, traced.compiled, flat
+
+    def _inductor(self, flat: FlatModel, step: PlannedStep) -> Any:
+        """The same step through `torch.compile` with `remat.backend` (inductor) under the
+        bytes this plan resolved. Dynamo captures the flat model (only the loss
+        differentiable, as here), so the backend plans the same problem after inductor's
+        joint-graph passes; it compiles on the first call. `fullgraph=True`: one graph,
+        so the budget covers the whole step."""
+        from remat.runtime.backend import RematBackend
+
+        be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
+                          **self.options)
+        self.__dict__.setdefault("_remat_backends", []).append(be)
+        return torch.compile(flat, backend=be, fullgraph=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -161,9 +181,14 @@ class Planned(nn.Module):
 
     @property
     def step(self) -> PlannedStep:
+        """The plan that runs: with `compile=True`, inductor's once the first call compiled
+        it (before that, the eager plan made at `remat.plan`, which fixed the budget)."""
         cache = self.__dict__["_remat_cache"]
         if not cache:
             raise RematError("nothing planned yet: call remat.plan(model, args, budget=...)")
+        backends = self.__dict__.get("_remat_backends") or []
+        if backends and backends[0].steps:
+            return backends[0].steps[0]
         return next(iter(cache.values()))[0]
 
     @property
@@ -202,6 +227,8 @@ def plan(
     solver: str = "auto",
     sync_ranks: bool | None = None,
     offload: bool | str = "auto",
+    device_speed: DeviceSpeed | None = None,
+    compile: bool = False,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
@@ -218,7 +245,16 @@ def plan(
 
     offload: True lets the planner move activations to host memory between forward and
     backward (below the recompute-only floor); False never; "auto" (default) allows it
-    on CUDA and leaves it off on CPU."""
+    on CUDA and leaves it off on CPU.
+
+    device_speed: roofline figures for per-op costs (default: this machine, measured
+    once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans
+    for another device).
+
+    compile: run the planned step with inductor's fused kernels (`torch.compile` with
+    `remat.backend`, under the bytes resolved here); it compiles on the first call. The
+    budget is checked here, before anything runs; gradients then match eager up to
+    inductor's rounding instead of bit for bit."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
@@ -230,7 +266,7 @@ def plan(
         args = (args,)
     kwargs = dict(kwargs or {})
     planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
-                      offload=offload)
+                      offload=offload, device_speed=device_speed, compile=compile)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

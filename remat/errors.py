@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RematError(Exception):
     """Base of every error remat raises on purpose."""
@@ -16,12 +18,17 @@ class UnknownSolverError(RematError, ValueError):
 
 
 class InfeasibleBudgetError(RematError):
-    """No plan fits the budget; `min_peak_bytes` is the smallest reachable peak."""
+    """No plan fits the budget; `min_peak_bytes` is the smallest reachable peak and
+    `min_peak_plan` (a `solvers.Plan`, when known) the plan that reaches it: planning at
+    exactly `min_peak_bytes` succeeds, and `remat.plan(..., hint=error.min_peak_plan)`
+    starts from it."""
 
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int,
+                 min_peak_plan: Any = None) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_peak_bytes = min_peak_bytes
+        self.min_peak_plan = min_peak_plan
 
 
 class TraceError(RematError):

@@ -13,6 +13,7 @@ from torch import fx
 from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
+from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
@@ -51,13 +52,17 @@ class Partitioner:
 
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
-                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto") -> None:
+                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
+                 device_speed: costs.DeviceSpeed | None = None) -> None:
         self.num_params = num_params
         self.sync_ranks = sync_ranks
         """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
         group of more than one rank is initialized."""
         self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
         self.offload = offload
+        # None: measure this machine (outside any fake mode); fake-tensor planning passes a
+        # named device's figures, since nothing may run there.
+        self.device_speed = device_speed
         self.budget = budget
         self.solver = solver
         self.options = options
@@ -80,7 +85,8 @@ class Partitioner:
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        cost_s = costs.cost_function(self.cost_model, costs.device_speed("cpu"))
+        speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
+        cost_s = costs.cost_function(self.cost_model, speed)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None)
@@ -89,11 +95,15 @@ class Partitioner:
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
-        plan = solve(gp.problem, self.solver, **self.options)
+        plan = solve_with_floor(gp.problem, self.solver, self.options)
+        refusal = None
+        if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
+            plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=self.options,
+                                         baseline_bytes=baseline, offload=self.offload)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise _infeasible(gp, plan, budget_bytes, baseline, self.offload)
+            raise refusal or _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)

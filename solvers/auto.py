@@ -20,8 +20,11 @@ import dataclasses
 import logging
 import time
 
-from solvers.base import Options
-from solvers.problem import Plan, Problem
+from collections.abc import Mapping
+
+from solvers.base import Options, finish, hint_decisions
+from solvers.problem import Decision, Plan, Problem, Status
+from solvers.simulate import PlanError, evaluate
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,11 @@ class AutoOptions(Options):
     brute_max: int = 12
     """Largest number of decision values solved by exhaustive enumeration."""
     default_time_limit_s: float = 10.0
-    """Time limit given to `ilp` when time_limit_s is None."""
+    """Time limit given to `ilp` when time_limit_s is None (deterministic seconds)."""
+    hint: Mapping[int, Decision] | Plan | None = None
+    """A plan to start from (passed to `ilp` as its warm start); the returned plan is
+    never worse than it: it fits if the hint does, and costs no more (or, when nothing
+    fits, peaks no higher)."""
 
 
 def choose(problem: Problem, options: AutoOptions) -> list[str]:
@@ -47,6 +54,24 @@ def choose(problem: Problem, options: AutoOptions) -> list[str]:
     return [name for name in order if name in SOLVERS]
 
 
+def _no_worse_than(problem: Problem, plan: Plan, hint: Mapping[int, Decision]) -> Plan:
+    """`plan`, or the hint where the hint is better (fits when the plan does not, is
+    cheaper, or peaks lower when neither fits)."""
+    try:
+        ev = evaluate(problem, hint_decisions(hint))
+    except PlanError:  # a plan of another graph: nothing to compare
+        log.warning("auto: the hint does not decide this problem's values; ignored")
+        return plan
+    if ev.fits:
+        better = plan.status is Status.INFEASIBLE or ev.cost_s < plan.objective_s
+    else:
+        better = plan.status is Status.INFEASIBLE and ev.peak_bytes < plan.peak_bytes
+    if not better:
+        return plan
+    return finish(problem, hint_decisions(hint), plan.solver, started_s=time.perf_counter() - plan.solve_s,
+                  work_s=plan.work_s)
+
+
 def solve_auto(problem: Problem, options: Options) -> Plan:
     started = time.perf_counter()
     opts = options if isinstance(options, AutoOptions) else AutoOptions(
@@ -56,10 +81,14 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         if limit is None and name == "ilp":
             limit = opts.default_time_limit_s
         passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
+        if name == "ilp" and opts.hint is not None:
+            passed["hint"] = opts.hint
         try:
             plan = SOLVERS[name].run(problem, make_options(name, **passed))
         except UnsupportedProblem as error:
             log.info("auto: %s declined: %s", name, error)
             continue
+        if opts.hint is not None:
+            plan = _no_worse_than(problem, plan, opts.hint)
         return dataclasses.replace(plan, solver="auto", solve_s=time.perf_counter() - started)
     raise UnsupportedProblem("auto: no registered solver accepted the problem")

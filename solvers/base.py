@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -15,11 +16,67 @@ class Options:
     """Options every solver accepts."""
 
     time_limit_s: float | None = None
-    """Wall-clock limit for the search; None: the solver's own default (or none)."""
+    """Limit on the search in nominal seconds of deterministic work (`WorkClock`), never
+    wall-clock seconds, so that the same problem and options give the same plan under any machine
+    load; None: the solver's own default (or none)."""
     seed: int = 0
     """Seed for any randomized choice; the same seed gives the same plan."""
     workers: int = 1
     """Threads a solver may use (exact solvers only); 1 keeps runs deterministic."""
+
+
+WORK_STEPS_PER_S = 500_000
+"""Rate of the deterministic clock for the Python searches: this many simulated steps
+(or evaluated block configurations times their size, in dp) count as one second.
+Measured: `simulate` runs ~280,000 steps/s of a random_dag(400) on this 2-core machine
+under the load of six parallel sessions, and ~1e6 unloaded; CP-SAT's own deterministic
+time (`max_deterministic_time`) is charged as it reports it."""
+
+
+CPSAT_DET_PER_S = 0.2
+"""CP-SAT deterministic seconds per nominal second: its deterministic time runs slower
+than CPU time on these models (LP-heavy search). Measured per call on random_dag(100),
+random_dag(300) and transformer(4) under `ilp`, one worker: 0.12-0.38 deterministic
+seconds per CPU second (`/work/notes/issue-12.md`)."""
+
+
+class WorkClock:
+    """A deterministic clock in nominal seconds: solvers charge the work they do
+    (simulated steps at WORK_STEPS_PER_S, CP-SAT's deterministic time at
+    CPSAT_DET_PER_S, what sub-solvers report in `Plan.work_s`) and stop when it runs
+    out. Unlike the wall clock it does not depend on the machine's load, so a search cut
+    by its limit still returns the same plan every time; on an idle machine a nominal
+    second is roughly a second of one core, on a loaded one it takes longer."""
+
+    def __init__(self, limit_s: float | None) -> None:
+        self.limit_s = math.inf if limit_s is None else float(limit_s)
+        self.spent_s = 0.0
+
+    def charge_steps(self, steps: int) -> None:
+        self.spent_s += steps / WORK_STEPS_PER_S
+
+    def charge_s(self, seconds: float) -> None:
+        self.spent_s += max(0.0, seconds)
+
+    def charge_cpsat(self, deterministic_s: float) -> None:
+        self.spent_s += max(0.0, deterministic_s) / CPSAT_DET_PER_S
+
+    @property
+    def left_s(self) -> float:
+        return self.limit_s - self.spent_s
+
+    @property
+    def expired(self) -> bool:
+        return self.spent_s > self.limit_s
+
+
+def hint_decisions(hint: object) -> dict[int, Decision] | None:
+    """A `hint` option as decisions: a Plan, a mapping of decisions, or None."""
+    if hint is None:
+        return None
+    if isinstance(hint, Plan):
+        return dict(hint.decisions)
+    return dict(hint)  # type: ignore[call-overload]
 
 
 def finish(
@@ -31,6 +88,7 @@ def finish(
     optimal: bool = False,
     lower_bound_s: float | None = None,
     schedule: Sequence[int] | None = None,
+    work_s: float = 0.0,
 ) -> Plan:
     """Simulate `decisions` and wrap them in a Plan whose claims are simulate's numbers.
 
@@ -52,4 +110,5 @@ def finish(
         schedule=None if schedule is None else tuple(schedule),
         lower_bound_s=lower_bound_s,
         solve_s=time.perf_counter() - started_s,
+        work_s=work_s,
     )

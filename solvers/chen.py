@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from solvers.base import Options, finish
+from solvers.base import Options, WorkClock, finish
 from solvers.problem import Decision, Phase, Plan, Problem, decisions_all
 from solvers.simulate import evaluate
 
@@ -161,7 +161,7 @@ def solve_chen_greedy(problem: Problem, options: Options) -> Plan:
     fits (ties: lower peak) wins, else the lowest peak (INFEASIBLE). Respects
     `options.time_limit_s` after the `none` and `all` plans."""
     started = time.perf_counter()
-    deadline = math.inf if options.time_limit_s is None else started + options.time_limit_s
+    clock = WorkClock(options.time_limit_s)
     everything = [i for i in problem.decision_ids if problem.nodes[i].recomputable]
     candidate_sets = [everything]
     for cuts in (loose_cut_candidates(problem), cut_candidates(problem)):
@@ -176,16 +176,17 @@ def solve_chen_greedy(problem: Problem, options: Options) -> Plan:
     best_fit, best_any = None, None
     seen: set[tuple[Decision, ...]] = set()
     for k, decisions in enumerate(plans):
-        if k >= 2 and time.perf_counter() > deadline:
+        if k >= 2 and clock.expired:
             break
         key = tuple(decisions.values())
         if key in seen:
             continue
         seen.add(key)
         ev = evaluate(problem, decisions)
+        clock.charge_steps(len(ev.steps))
         if ev.fits and (best_fit is None or (ev.cost_s, ev.peak_bytes) < best_fit[0]):
             best_fit = ((ev.cost_s, ev.peak_bytes), decisions)
         if best_any is None or (ev.peak_bytes, ev.cost_s) < best_any[0]:
             best_any = ((ev.peak_bytes, ev.cost_s), decisions)
     chosen = best_fit if best_fit is not None else best_any
-    return finish(problem, chosen[1], "chen-greedy", started_s=started)
+    return finish(problem, chosen[1], "chen-greedy", started_s=started, work_s=clock.spent_s)

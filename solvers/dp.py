@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Mapping
 
-from solvers.base import Options, finish
+from solvers.base import Options, WorkClock, finish
 from solvers import dp_fronts as fronts
 from solvers.dp_fronts import DROPPED, Option, local_peak, next_summary
 from solvers.dp_local import NEG, BlockEvaluator, InvalidLocal, Local
@@ -48,9 +48,9 @@ BEAM_WIDTH = 16
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOptions(Options):
-    """Options of `dp`. time_limit_s bounds building the block tables (the part that
-    grows with block size): past it dp gives up with UnsupportedProblem (so `auto` and
-    `ilp` move on). seed and workers are unused: the DP is deterministic and
+    """Options of `dp`. time_limit_s (deterministic seconds) bounds building the block
+    tables (the part that grows with block size): past it dp gives up with
+    UnsupportedProblem (so `auto` and `ilp` move on). seed and workers are unused: the DP is deterministic and
     single-threaded."""
 
     max_block_configs: int = 1 << 14
@@ -63,9 +63,9 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
     if not problem.decision_ids:
         return finish(problem, {}, "dp", started_s=started, optimal=True, lower_bound_s=0.0)
     limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
-    deadline = math.inf if options.time_limit_s is None else started + options.time_limit_s
+    clock = WorkClock(options.time_limit_s)
     seq = analyze(problem)
-    tables = block_tables(problem, seq, limit, deadline)
+    tables = block_tables(problem, seq, limit, clock)
     found = _cheapest(tables, seq.initial_bytes, problem.budget_bytes)
     feasible = found is not None
     if not feasible:
@@ -85,7 +85,7 @@ def solve_dp(problem: Problem, options: Options) -> Plan:
     optimal = feasible and exact
     # OPTIMAL: no plan is cheaper than this one (up to float summation order).
     return finish(problem, decisions, "dp", started_s=started, optimal=optimal,
-                  lower_bound_s=ev.cost_s if optimal else None)
+                  lower_bound_s=ev.cost_s if optimal else None, work_s=clock.spent_s)
 
 
 def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
@@ -110,7 +110,7 @@ def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
 
 
 def block_tables(problem: Problem, seq: BlockSequence, limit: int,
-                 deadline: float = math.inf) -> list[tuple[dict, tuple[int, int]]]:
+                 clock: WorkClock | None = None) -> list[tuple[dict, tuple[int, int]]]:
     """For each block: context (mode of a_{b-1}, a_{b-1} brought back in block b) ->
     Pareto-pruned options. Identical blocks (same signature) share one table."""
     cache: dict[tuple, dict] = {}
@@ -119,7 +119,7 @@ def block_tables(problem: Problem, seq: BlockSequence, limit: int,
         rel, offsets = _relative(block)
         sig = _signature(problem, rel)
         if sig not in cache:
-            cache[sig] = fronts.compile_table(_table(problem, rel, limit, deadline))
+            cache[sig] = fronts.compile_table(_table(problem, rel, limit, clock or WorkClock(None)))
         out.append((cache[sig], offsets))
     return out
 
@@ -138,15 +138,18 @@ def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
     return rel, (off_f, off_g)
 
 
-def _table(problem: Problem, block: Block, limit: int, deadline: float = math.inf) -> dict:
+def _table(problem: Problem, block: Block, limit: int, clock: WorkClock) -> dict:
     evaluator = BlockEvaluator(problem, block)
     configs = enumerate_configs(problem, block, limit)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: dict[tuple, list[Option]] = {}
     for k, config in enumerate(configs):
-        if k % 256 == 0 and time.perf_counter() > deadline:
+        # Work: one local evaluation per (config, context), each about the block's size.
+        clock.charge_steps(len(modes_prev) * len(block.values))
+        if k % 256 == 0 and clock.expired:
             raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
-                                     f"({len(configs)} configurations); raise time_limit_s or use 'ilp'")
+                                     f"({len(configs)} configurations); raise time_limit_s or use 'ilp'",
+                                     work_s=clock.spent_s)
         mode_b = config[-1] if block.boundary is not None else None
         deltas = (False, True) if mode_b in DROPPED else (False,)
         for mode_prev in modes_prev:

@@ -14,7 +14,7 @@ attention). This solver recomputes the cheapest bytes first:
   3. Trim: walk the recomputed and offloaded values from the most expensive down and
      flip each back to SAVE when the plan still fits (it was not needed).
 The trim also runs from chen-greedy's and `all`'s plans (and, with offload allowed,
-from offloading every movable value); the cheapest plan that fits
+from offloading every movable value, the rest saved or recomputed); the cheapest plan that fits
 wins (else the one with the smallest peak, INFEASIBLE).
 
 Every step is checked by `simulate`, so the plan's claims are exact. It is a heuristic:
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from solvers.base import Options, finish
+from solvers.base import Options, WorkClock, finish
 from solvers.problem import Decision, Plan, Problem, decisions_all
 from solvers.simulate import PlanError, evaluate
 
@@ -34,30 +34,33 @@ _TINY_S = 1e-15  # keeps zero-cost values (views) first without dividing by zero
 
 def solve_greedy(problem: Problem, options: Options) -> Plan:
     started = time.perf_counter()
-    deadline = None if options.time_limit_s is None else started + options.time_limit_s
-    starts = [_shrink(problem, deadline)]
+    clock = WorkClock(options.time_limit_s)
+    starts = [_shrink(problem, clock)]
     for name in ("chen-greedy", "all"):  # other starting points, trimmed the same way
         from solvers.registry import get  # late: the registry imports this module
 
-        starts.append(dict(get(name).run(problem, options).decisions))
-    if problem.offload_bandwidth_bytes_per_s is not None:  # everything movable offloaded
-        starts.append(decisions_all(problem, Decision.OFFLOAD))
+        plan = get(name).run(problem, options)
+        clock.charge_s(plan.work_s)
+        starts.append(dict(plan.decisions))
+    if problem.offload_bandwidth_bytes_per_s is not None:  # everything movable offloaded,
+        starts.append(decisions_all(problem, Decision.OFFLOAD))  # the rest saved or recomputed
+        starts.append(_offload_else_recompute(problem))
     best: tuple[tuple[int, float, int], dict[int, Decision]] | None = None
     for decisions in starts:
-        decisions = _trim(problem, decisions, deadline)
+        decisions = _trim(problem, decisions, clock)
         ev = evaluate(problem, decisions)
         key = (0 if ev.fits else 1, ev.cost_s if ev.fits else float(ev.peak_bytes), ev.peak_bytes)
         if best is None or key < best[0]:
             best = (key, decisions)
-    return finish(problem, best[1], "greedy", started_s=started)
+    return finish(problem, best[1], "greedy", started_s=started, work_s=clock.spent_s)
 
 
-def _shrink(problem: Problem, deadline: float | None) -> dict[int, Decision]:
+def _shrink(problem: Problem, clock: WorkClock) -> dict[int, Decision]:
     """Drop the cheapest bytes (RECOMPUTE or OFFLOAD) while the peak does not rise,
     until it fits."""
     nodes = problem.nodes
     decisions = decisions_all(problem, Decision.SAVE)
-    peak = evaluate(problem, decisions).peak_bytes
+    peak = _peak(problem, decisions, clock)
     moves = [(i, Decision.RECOMPUTE) for i in problem.decision_ids
              if nodes[i].recomputable and nodes[i].alias_of is None]
     moves += [(i, Decision.OFFLOAD) for i in problem.decision_ids if Decision.OFFLOAD in problem.allowed(i)]
@@ -68,13 +71,13 @@ def _shrink(problem: Problem, deadline: float | None) -> dict[int, Decision]:
     # strictly lowers the peak.
     second = [m for m in order if m[1] is Decision.OFFLOAD]
     for (i, move), strict in [(m, False) for m in order] + [(m, True) for m in second]:
-        if peak <= problem.budget_bytes or _late(deadline):
+        if peak <= problem.budget_bytes or clock.expired:
             break
         before = decisions[i]
         if before is move or (before is not Decision.SAVE and not strict):
             continue
         decisions[i] = move
-        new_peak = _peak(problem, decisions)
+        new_peak = _peak(problem, decisions, clock)
         if new_peak is not None and (new_peak < peak or (new_peak == peak and not strict)):
             peak = new_peak
         else:
@@ -82,20 +85,20 @@ def _shrink(problem: Problem, deadline: float | None) -> dict[int, Decision]:
     return decisions
 
 
-def _trim(problem: Problem, decisions: dict[int, Decision], deadline: float | None) -> dict[int, Decision]:
+def _trim(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> dict[int, Decision]:
     """If the plan fits, flip recomputed values back to SAVE, most expensive first,
     while it still fits."""
     decisions = dict(decisions)
-    if (_peak(problem, decisions) or problem.budget_bytes + 1) > problem.budget_bytes:
+    if (_peak(problem, decisions, clock) or problem.budget_bytes + 1) > problem.budget_bytes:
         return decisions
     nodes = problem.nodes
     dropped = [i for i, d in decisions.items()
                if (d is Decision.RECOMPUTE and nodes[i].recomputable) or d is Decision.OFFLOAD]
     for i in sorted(dropped, key=lambda i: (-_price_s(problem, i, decisions[i]), nodes[i].out_bytes, i)):
-        if _late(deadline):
+        if clock.expired:
             break
         move, decisions[i] = decisions[i], Decision.SAVE
-        new_peak = _peak(problem, decisions)
+        new_peak = _peak(problem, decisions, clock)
         if new_peak is None or new_peak > problem.budget_bytes:
             decisions[i] = move
     return decisions
@@ -108,12 +111,21 @@ def _price_s(problem: Problem, i: int, move: Decision) -> float:
     return problem.nodes[i].compute_s
 
 
-def _late(deadline: float | None) -> bool:
-    return deadline is not None and time.perf_counter() > deadline
+def _offload_else_recompute(problem: Problem) -> dict[int, Decision]:
+    """Every movable value offloaded, the others recomputed where they can be."""
+    out = {}
+    for i in problem.decision_ids:
+        if Decision.OFFLOAD in problem.allowed(i):
+            out[i] = Decision.OFFLOAD
+        else:
+            out[i] = Decision.RECOMPUTE if problem.nodes[i].recomputable else Decision.SAVE
+    return out
 
 
-def _peak(problem: Problem, decisions: dict[int, Decision]) -> int | None:
+def _peak(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> int | None:
     try:
-        return evaluate(problem, decisions).peak_bytes
+        ev = evaluate(problem, decisions)
     except PlanError:
         return None
+    clock.charge_steps(len(ev.steps))
+    return ev.peak_bytes

@@ -39,8 +39,10 @@ The search is warm-started from the best fitting plan of `warm_start` (dp, greed
 chen-greedy, within a share of the time limit); the returned plan is never worse. When
 dp applies and proves its plan OPTIMAL (dp is exact over this same plan space), that
 plan is returned as OPTIMAL at once: dp's proof is the certificate (dp exploits the
-repeated identical blocks of a stack: one table per distinct layer). Deterministic by
-default (workers=1, seed).
+repeated identical blocks of a stack: one table per distinct layer). A `hint` plan
+joins the warm start. Deterministic by default (workers=1, seed): every limit is
+deterministic work (`base.WorkClock`, CP-SAT's `max_deterministic_time`), never the
+wall clock, so the same problem gives the same plan under any machine load.
 Cost rounding: costs are scaled by a power of two to integers (dyadic costs stay exact;
 others round by at most 2**-24 of the largest cost per value), so OPTIMAL holds up to
 that rounding.
@@ -52,10 +54,11 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers.base import Options, finish
+from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish, hint_decisions
 from solvers.ilp_model import CanonicalModel
 from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
@@ -79,7 +82,10 @@ class ILPOptions(Options):
     """Options of `ilp`."""
 
     time_limit_s: float | None = 10.0
-    """Wall-clock limit for the whole solve (warm start, CP-SAT calls, simulations)."""
+    """Limit for the whole solve (warm start, CP-SAT calls, simulations; not model
+    building) in nominal seconds of deterministic work (`base.WorkClock`; CP-SAT's
+    `max_deterministic_time`), so that a solve cut by its limit returns the same plan
+    under any machine load."""
     warm_start: tuple[str, ...] = ("dp", "chen-greedy", "greedy")
     """Solvers whose best fitting plan seeds the search, in this order while the warm
     share of the time lasts (unknown or unsupported ones are skipped)."""
@@ -90,37 +96,47 @@ class ILPOptions(Options):
     rows_share: float = 0.6
     """Share of the time left after the warm start given to row generation (the lower
     bound); 0 skips it."""
+    least_peak_share: float = 0.3
+    """When no warm-start plan fits, the share of the time left after the warm start
+    kept for the smallest-peak search (so that an impossible budget still gets its
+    floor searched, not just the warm start's)."""
+    hint: Mapping[int, Decision] | Plan | None = None
+    """A plan (or its decisions for every decision value) to start from: the returned plan
+    fits if it does and is never costlier (never peaks higher, when nothing fits).
+    `InfeasibleBudgetError.min_peak_plan` is one."""
 
 
 def solve_ilp(problem: Problem, options: Options) -> Plan:
     started = time.perf_counter()
     opts = options if isinstance(options, ILPOptions) else ILPOptions(
         time_limit_s=options.time_limit_s, seed=options.seed, workers=options.workers)
-    limit = math.inf if opts.time_limit_s is None else opts.time_limit_s
-    deadline = started + limit
+    clock = WorkClock(opts.time_limit_s)
     if not problem.decision_ids:
         return finish(problem, {}, "ilp", started_s=started, optimal=True, lower_bound_s=0.0)
-    incumbent, smallest, certified = warm_start(problem, opts, started + opts.warm_share * limit)
+    incumbent, smallest, certified = warm_start(problem, opts, clock, opts.warm_share * clock.limit_s)
     if certified:  # an exact solver proved it optimal over this same plan space
-        return finish(problem, incumbent[1], "ilp", started_s=started, optimal=True, lower_bound_s=incumbent[0])
-    margin = _finish_margin(problem, smallest)
-    rows_until = time.perf_counter() + opts.rows_share * max(0.0, deadline - time.perf_counter() - margin)
+        return finish(problem, incumbent[1], "ilp", started_s=started, optimal=True,
+                      lower_bound_s=incumbent[0], work_s=clock.spent_s)
+    # Nothing fits yet: keep time back for the smallest-peak search.
+    reserve_s = opts.least_peak_share * max(0.0, clock.left_s) if incumbent is None else 0.0
+    rows_until = clock.spent_s + opts.rows_share * max(0.0, clock.left_s - reserve_s)
     model = CanonicalModel(problem, cumulative=False)
-    bound_s, exact = _generate_rows(model, opts, rows_until, incumbent)
+    bound_s, exact = _generate_rows(model, opts, clock, rows_until, incumbent)
     if exact is not None:  # the relaxation's optimum fits: it is optimal
         if incumbent is not None and incumbent[0] < bound_s:  # equal up to cost rounding: keep the warm start
             exact, bound_s = incumbent[1], incumbent[0]
-        return finish(problem, exact, "ilp", started_s=started, optimal=True, lower_bound_s=bound_s)
+        return finish(problem, exact, "ilp", started_s=started, optimal=True, lower_bound_s=bound_s,
+                      work_s=clock.spent_s)
     model.add_cumulative()  # the full model, keeping the rows generated above
     if incumbent is not None:  # hints stay in the model; no-goods add no variables
         model.hint(incumbent[1])
     proven, cuts = False, 0
     while cuts <= opts.max_cuts:
-        remaining = deadline - time.perf_counter() - margin
+        remaining = clock.left_s - reserve_s
         if remaining <= 0:
             break
         solver = _solver(opts, remaining, len(problem.decision_ids))
-        status = solver.solve(model.model)
+        status = _run(solver, model, clock)
         if status == cp_model.INFEASIBLE:
             # Every fitting plan satisfies the relaxation and no cut: none fits.
             if incumbent is not None:
@@ -130,7 +146,7 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
             break
         bound_s = max(bound_s, _lower_bound(solver, model))
         decisions = model.decisions_of(solver)
-        ev = _simulate(problem, decisions)
+        ev = _simulate(problem, decisions, clock)
         if ev is not None and ev.fits:
             if incumbent is None or ev.cost_s < incumbent[0]:
                 incumbent = (ev.cost_s, decisions)
@@ -139,36 +155,37 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
         model.forbid(decisions)
         cuts += 1
     if incumbent is None:
-        least = _least_peak(problem, opts, deadline, smallest)
-        return finish(problem, least, "ilp", started_s=started)
+        least = _least_peak(problem, opts, clock, smallest)
+        return finish(problem, least, "ilp", started_s=started, work_s=clock.spent_s)
     cost, decisions = incumbent
     if proven:
         bound_s = cost
     return finish(problem, decisions, "ilp", started_s=started, optimal=proven,
-                  lower_bound_s=min(bound_s, cost))
+                  lower_bound_s=min(bound_s, cost), work_s=clock.spent_s)
 
 
-def _generate_rows(rows: CanonicalModel, opts: ILPOptions, until: float, incumbent):
+def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, until_s: float, incumbent):
     """Row generation for the lower bound: solve the knapsack rows alone (no cumulative;
     fast), simulate the optimum, and where it overflows at a node step add that step's
     strengthened row (CanonicalModel.strengthen), then solve again. Every row holds for
     every plan, so each optimum is a lower bound; one that fits is an optimal plan.
     `rows` is a model built without the cumulative; the main loop then adds it, so the
-    strengthened rows stay in the full model. Returns (bound_s, that plan or None)."""
+    strengthened rows stay in the full model. It runs until `clock` has spent `until_s`.
+    Returns (bound_s, that plan or None)."""
     bound_s = 0.0
     problem, d = rows.problem, rows.data
-    while (remaining := until - time.perf_counter()) > 0:
+    while (remaining := until_s - clock.spent_s) > 0:
         if incumbent is not None:
             rows.hint(incumbent[1])
         solver = _solver(opts, remaining, len(problem.decision_ids), search=False)
-        status = solver.solve(rows.model)
+        status = _run(solver, rows, clock)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         bound_s = max(bound_s, _lower_bound(solver, rows))
         if status != cp_model.OPTIMAL:
             break
         decisions = rows.decisions_of(solver)
-        ev = _simulate(problem, decisions)
+        ev = _simulate(problem, decisions, clock)
         if ev is None:
             break
         if ev.fits:
@@ -184,36 +201,35 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, until: float, incumbe
     return bound_s, None
 
 
-def _least_peak(problem: Problem, opts: ILPOptions, deadline: float, smallest: dict[int, Decision]):
+def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: dict[int, Decision]):
     """Nothing fits: the plan with the smallest peak under simulate. The min-peak model
     is exact at node steps only, so its peak is a lower bound on simulate's (a peak
     inside a recomputation run can be higher). Loop: ask for a model peak below the best
     simulated peak so far, simulate the answer, keep it if smaller, forbid it; an
     infeasible model proves the best one smallest."""
-    best, best_ev = smallest, _simulate(problem, smallest)
+    best, best_ev = smallest, _simulate(problem, smallest, clock)
     model = CanonicalModel(problem, min_peak=True)
     model.hint(smallest)
     for _ in range(opts.max_cuts + 1):
-        if deadline - time.perf_counter() < MIN_PEAK_SEARCH_S:
+        if clock.left_s < MIN_PEAK_SEARCH_S:
             break
         model.model.add(model.peak <= best_ev.peak_bytes - 1)
-        solver = _solver(opts, deadline - time.perf_counter(), len(problem.decision_ids))
-        if solver.solve(model.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = _solver(opts, clock.left_s, len(problem.decision_ids))
+        if _run(solver, model, clock) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break  # INFEASIBLE: no plan peaks lower (or time is up)
         found = model.decisions_of(solver)
-        ev = _simulate(problem, found)
-        if ev is not None and ev.peak_bytes < best_ev.peak_bytes:
+        ev = _simulate(problem, found, clock)
+        if ev is not None and (ev.peak_bytes, ev.cost_s) < (best_ev.peak_bytes, best_ev.cost_s):
             best, best_ev = found, ev
         model.forbid(found)
     return best
 
 
-def _finish_margin(problem: Problem, decisions: dict[int, Decision]) -> float:
-    """Seconds kept back from CP-SAT for checking its answer and building the Plan (two
-    simulations), so that the whole solve stays within time_limit_s."""
-    started = time.perf_counter()
-    _simulate(problem, decisions)
-    return 0.05 + 3 * (time.perf_counter() - started)
+def _run(solver: cp_model.CpSolver, model: CanonicalModel, clock: WorkClock) -> int:
+    """Solve and charge CP-SAT's deterministic time to the clock."""
+    status = solver.solve(model.model)
+    clock.charge_cpsat(solver.response_proto.deterministic_time)
+    return status
 
 
 def _solver(opts: ILPOptions, seconds: float, n_values: int = 0, *, search: bool = True) -> cp_model.CpSolver:
@@ -223,10 +239,9 @@ def _solver(opts: ILPOptions, seconds: float, n_values: int = 0, *, search: bool
         # Measured at 2,500 values (random_dag, 10k nodes): presolve probing takes ~15 s,
         # so CP-SAT never reaches its search; without it, it improves the warm start.
         solver.parameters.cp_model_probing_level = 0
-    # The deterministic limit usually stops the search first, so equal inputs give equal
-    # plans; the wall-clock limit is the guarantee.
-    solver.parameters.max_time_in_seconds = max(0.01, seconds)
-    solver.parameters.max_deterministic_time = max(0.01, seconds)
+    # Deterministic time only, never the wall clock: equal inputs give equal plans
+    # whatever the machine's load (one worker; several are not repeatable).
+    solver.parameters.max_deterministic_time = max(0.002, seconds * CPSAT_DET_PER_S)
     solver.parameters.num_workers = max(1, opts.workers)
     # Level 2 puts every constraint in the LP (the AND / max definitions of need, rec
     # and liveness included). One worker interleaves CP-SAT's LNS neighbourhoods with
@@ -255,41 +270,51 @@ def _lower_bound(solver: cp_model.CpSolver, model: CanonicalModel) -> float:
     return max(0.0, (solver.best_objective_bound - slack) / model.scale)
 
 
-def _simulate(problem: Problem, decisions: dict[int, Decision]):
+def _simulate(problem: Problem, decisions: dict[int, Decision], clock: WorkClock | None = None):
     try:
-        return evaluate(problem, decisions)
+        ev = evaluate(problem, decisions)
     except PlanError:  # cannot happen for a model solution; treat as not fitting
         log.warning("ilp: model solution rejected by simulate as invalid")
         return None
+    if clock is not None:
+        clock.charge_steps(len(ev.steps))
+    return ev
 
 
-def warm_start(problem: Problem, opts: ILPOptions, deadline: float):
-    """(cost, decisions) of the cheapest fitting plan among the warm-start solvers and
-    the two trivial plans, or None; the decisions of the smallest peak seen; and whether
-    an exact warm-start solver (dp) proved its plan OPTIMAL (then it is returned)."""
+def warm_start(problem: Problem, opts: ILPOptions, clock: WorkClock, until_s: float):
+    """(cost, decisions) of the cheapest fitting plan among the hint, the warm-start
+    solvers (run until `clock` has spent `until_s`) and the two trivial plans, or None;
+    the decisions of the smallest peak seen; and whether an exact warm-start solver (dp)
+    proved its plan OPTIMAL (then it is returned)."""
     candidates = [decisions_all(problem, Decision.SAVE), decisions_all(problem, Decision.RECOMPUTE)]
+    if opts.hint is not None:
+        candidates.insert(0, hint_decisions(opts.hint))
     proven = None
     for name in opts.warm_start:
-        remaining = deadline - time.perf_counter()
+        remaining = until_s - clock.spent_s
         if name not in SOLVERS or remaining <= 0:
             continue
         try:
             plan = SOLVERS[name].run(problem, make_options(name, time_limit_s=remaining, seed=opts.seed))
-        except (UnsupportedProblem, TypeError):
+        except UnsupportedProblem as declined:
+            clock.charge_s(declined.work_s)
             continue
+        except TypeError:
+            continue
+        clock.charge_s(plan.work_s)
         candidates.append(dict(plan.decisions))
         if SOLVERS[name].exact and plan.status is Status.OPTIMAL and plan.schedule is None:
             proven = (plan.objective_s, dict(plan.decisions))
             break
     best, smallest = None, None
     for decisions in candidates:
-        ev = _simulate(problem, decisions)
+        ev = _simulate(problem, decisions, clock)
         if ev is None:
             continue
         if smallest is None or (ev.peak_bytes, ev.cost_s) < smallest[0]:
             smallest = ((ev.peak_bytes, ev.cost_s), decisions)
         if ev.fits and (best is None or ev.cost_s < best[0]):
             best = (ev.cost_s, decisions)
-    if proven is not None:
+    if proven is not None and (best is None or proven[0] <= best[0]):
         return proven, smallest[1], True
     return best, smallest[1], False

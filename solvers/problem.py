@@ -243,7 +243,10 @@ class Plan:
     lower_bound_s: float | None = None
     """A proven lower bound on the objective over the solver's plan space, if known."""
     solve_s: float = 0.0
-    """Wall seconds the solver took."""
+    """Wall seconds the solver took (reporting only: no solver decides by the wall clock)."""
+    work_s: float = 0.0
+    """Deterministic seconds the solver charged to its work clock (`base.WorkClock`):
+    what a caller that shares its own limit with this solver subtracts."""
 
     def __post_init__(self) -> None:
         frozen = MappingProxyType(dict(sorted(self.decisions.items())))

@@ -25,7 +25,13 @@ class SolverSpec:
 class UnsupportedProblem(ValueError):
     """A solver was asked to plan a problem whose structure it cannot handle
     (e.g. `dp` on a graph that is not a chain or a sequence of blocks). The message says
-    why and which solver to use instead. Never raised for an impossible budget."""
+    why and which solver to use instead. Never raised for an impossible budget.
+    `work_s`: deterministic seconds spent before declining (a caller sharing its limit
+    subtracts them)."""
+
+    def __init__(self, message: str, *, work_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.work_s = work_s
 
 
 _REGISTRY: dict[str, SolverSpec] = {}

@@ -177,6 +177,26 @@ def test_data_dependent_control_flow_raises_trace_error_naming_the_line(model_cl
     assert isinstance(info.value, RematError)
     assert f"{__file__}:{_line_of(model_cls, marker)}" in message, message
     assert "control flow" in message  # says what to change
+    assert "remat.backend" in message  # and where such a model can still be planned
+
+
+def test_the_backend_plans_a_model_remat_plan_cannot_trace():
+    """The TraceError sends users to remat.backend: dynamo splits the graph at the branch
+    and each piece is planned (eager compiler: bit-exact)."""
+    import copy
+
+    torch._dynamo.reset()
+    model = ItemBranch()
+    eager = copy.deepcopy(model)
+    be = remat.backend(budget="100%", solver=SOLVER, compiler="eager")
+    loss = torch.compile(model, backend=be)(_x())
+    loss.backward()
+    expected = eager(_x())
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
+    assert len(be.steps) >= 2  # one plan per graph dynamo captured
+    assert "budget '100%' holds per graph" in be.summary()
 
 
 # --- no scalar loss and other misuse --------------------------------------------------

@@ -51,3 +51,27 @@ def test_backend_rejects_bad_arguments_before_compiling():
         backend(budget="50%", solver="nope")
     with pytest.raises(remat.BudgetError):
         backend(budget="fifty percent", solver="chen-greedy")
+
+
+def test_dynamic_shapes_one_plan_for_every_size_bit_exact():
+    """Symbolic sizes are costed by their hint (no guard, so no recompile) and the
+    backward gets the SymInts it needs as saved_sym_nodes."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)], nn.Linear(32, 1))
+    eager = copy.deepcopy(model)
+    be = backend(budget="95%", solver="chen-greedy", compiler="eager")
+    # The loss inside the graph: mean's backward needs the batch size, a SymInt.
+    compiled = torch.compile(lambda x: model(x).square().mean(), backend=be, dynamic=True)
+    for batch in (64, 96, 128):
+        x = torch.randn(batch, 32)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = compiled(x)
+        loss.backward()
+        assert torch.equal(loss.detach(), _step(eager, eager, x))
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
+    (step,) = be.steps
+    assert len(step.evaluation.recomputed_ids) > 0
+    assert any(n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)
+               for n in step.backward.graph.nodes)

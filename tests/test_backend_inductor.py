@@ -165,3 +165,30 @@ def test_device_speed_is_measured_on_real_tensors_inside_fake_mode(tmp_path, mon
     with FakeTensorMode():
         costs.device_speed("cpu", refresh=True)
     assert seen and not issubclass(seen[0], FakeTensor)
+
+
+def test_plan_compile_true_runs_inductor_under_the_planned_bytes():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    torch._dynamo.reset()
+    torch._inductor.metrics.reset()
+    model, x = Net(), torch.randn(256, 64)
+    eager = copy.deepcopy(model)
+    planned = remat.plan(model, (x,), budget="90%", compile=True)
+    eager_plan = planned.step
+    assert torch._inductor.metrics.generated_kernel_count == 0  # nothing compiled or run yet
+    planned(x).backward()
+    eager(x).backward()
+    assert torch._inductor.metrics.generated_kernel_count > 0
+    for a, b in zip(_grads(model), _grads(eager)):
+        torch.testing.assert_close(a, b)  # inductor's rounding: see test_inductor_gradients_match_eager
+    step = planned.step  # now inductor's plan, under the bytes remat.plan resolved
+    assert step is not eager_plan
+    assert step.budget_bytes == eager_plan.budget_bytes
+    assert step.evaluation.peak_bytes <= step.budget_bytes

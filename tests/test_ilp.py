@@ -208,7 +208,9 @@ def test_bounds_are_honest_under_a_short_time_limit(fraction):
     assert plan.lower_bound_s is not None and plan.lower_bound_s <= plan.objective_s
     if plan.status is Status.OPTIMAL:
         assert plan.lower_bound_s == plan.objective_s
-    assert plan.solve_s < 2.0 + 10.0  # the time limit is honoured (plus model building, loaded machine)
+    # The limit is deterministic work, honoured up to the last CP-SAT call's overshoot
+    # (its deterministic limit is checked between propagation rounds).
+    assert 0.0 < plan.work_s < 2.0 * 1.1
     greedy = solve(problem, "chen-greedy")
     assert plan.objective_s <= greedy.objective_s  # never worse than its warm start
 
@@ -238,8 +240,6 @@ def test_ilp_handles_what_dp_refuses():
 
 
 def test_deterministic_by_default():
-    # Small enough that the search completes well inside the limit even on a loaded
-    # machine: a run cut by the wall clock is only as repeatable as the machine's load.
     problem = builders.with_budget_fraction(builders.random_dag(40, seed=8, view_prob=0.2), 0.6)
     a, b = (solve(problem, "ilp", time_limit_s=3.0, warm_start=("chen-greedy",)) for _ in range(2))
     assert a.decisions == b.decisions and a.status is b.status

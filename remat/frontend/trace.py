@@ -56,7 +56,8 @@ class FlatSignature:
             const_key: Any = constants
         except TypeError:
             const_key = repr(constants)
-        return FlatSignature(spec, positions, constants, (training, str(spec), shapes, const_key))
+        key = (training, str(spec), shapes, const_key, autocast_state())
+        return FlatSignature(spec, positions, constants, key)
 
     def tensors(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
@@ -68,6 +69,17 @@ class FlatSignature:
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions active now, as (device type, dtype): part of a plan's key,
+    because the joint graph carries autocast's casts explicitly (a plan traced under bf16
+    autocast runs bf16 matmuls even when called outside autocast)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    )
 
 
 def find_loss(output: Any) -> torch.Tensor:
@@ -267,5 +279,7 @@ def _trace_failure_message(error: BaseException) -> str:
     return (
         f"could not trace the model into a joint graph{where}: {type(error).__name__}: {first}. "
         "remat needs a model whose control flow does not depend on tensor values "
-        "(no .item()/nonzero()-driven branches); rewrite that line or run it outside the model"
+        "(no .item()/nonzero()-driven branches); rewrite that line or run it outside the model, "
+        "or compile the model with torch.compile(model, backend=remat.backend(budget=...)), "
+        "which splits the graph at such a branch (e.g. layerdrop) and plans each piece"
     )

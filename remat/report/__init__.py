@@ -1,4 +1,6 @@
-"""Reports of a planned step, read from one data type (`PlannedStep`)."""
+"""Reports of a planned step. One data type, `Report` (built by `build_report` from a
+`PlannedStep`), read by every writer: `text.render`, `to_json.write_json`,
+`html.write_html`, `plots` (PNG). `summary` is the short text of `Planned.summary()`."""
 
 from remat.report.text import summary
 

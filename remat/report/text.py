@@ -1,4 +1,5 @@
-"""Text summary of a planned step: what was saved, recomputed, and why."""
+"""Text writers: `summary` of a planned step (what was saved, recomputed, and why) and
+`render` of a Report (the CLI's output)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from solvers import Decision, Phase
 
 if TYPE_CHECKING:
     from remat.planner import PlannedStep
+    from remat.report.data import Report
 
 
 def summary(step: "PlannedStep", *, top: int = 10) -> str:
@@ -74,3 +76,36 @@ def _largest(title: str, ids: list[int], gp, top: int) -> list[str]:
     for i in ids:
         out.append(f"    {nodes[i].out_bytes / 2**20:9.3f} MiB  {nodes[i].name:<28} {gp.source[i]}")
     return out
+
+
+def render(report: "Report") -> str:
+    """The CLI's text report: headline numbers, breakdown, Pareto sweep."""
+    b = report.breakdown
+    o = b.options
+    counts = {d: sum(r.decision == d for r in report.decisions) for d in ("save", "recompute", "offload")}
+    lines = [
+        f"remat report: {report.model}  ({report.solver}, {report.status}; cost model: {report.cost_model})",
+        f"  budget:            {format_bytes(report.budget_bytes)}",
+        f"  predicted peak:    {format_bytes(report.predicted_peak_bytes)}",
+        f"  no-remat peak:     {format_bytes(report.baseline_peak_bytes)}",
+        f"  smallest peak:     {format_bytes(report.min_peak_bytes)}",
+        f"  extra compute:     {report.extra_compute_s * 1e3:.3f} ms",
+        f"  decisions:         {counts['save']} saved, {counts['recompute']} recomputed, "
+        f"{counts['offload']} offloaded",
+        f"  model state ({o.optimizer}, {o.precision}, shard {o.shard} ZeRO-{o.zero_stage}, adapter {o.adapter}):",
+        f"    weights {_mib(b.weights_bytes)}, gradients {_mib(b.gradients_bytes)}, "
+        f"master {_mib(b.master_bytes)}, optimizer {_mib(b.optimizer_bytes)}",
+        f"  activations at peak: saved {_mib(b.activations_saved_bytes)}, recomputed "
+        f"{_mib(b.activations_recomputed_bytes)}, temporaries {_mib(b.temporaries_bytes)}; "
+        f"offloaded {_mib(b.activations_offloaded_bytes)}",
+        f"  total per device:  {_mib(b.total_bytes)}",
+    ]
+    if report.pareto:
+        lines.append("  pareto (budget -> peak, extra compute):")
+        lines += [f"    {_mib(p.budget_bytes):>14} -> {_mib(p.predicted_peak_bytes):>14}, "
+                  f"{p.extra_compute_s * 1e3:9.3f} ms" for p in report.pareto]
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

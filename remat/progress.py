@@ -1,0 +1,74 @@
+"""A progress display for the CLI that appears only when a stage runs longer than
+`delay_s` (about 2 s): quick commands print nothing extra. Uses rich when installed and
+stderr is a terminal; `quiet=True` turns it off."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+
+class Stages:
+    """`with stages.stage("trace + solve"): ...`; `stage` yields an `advance(done, total)`."""
+
+    def __init__(self, *, quiet: bool = False, delay_s: float = 2.0) -> None:
+        self.delay_s = delay_s
+        self.enabled = not quiet and sys.stderr.isatty() and _has_rich()
+        self.log: list[tuple[str, float]] = []
+        """(stage, seconds) for every finished stage."""
+
+    @contextlib.contextmanager
+    def stage(self, description: str) -> Iterator[Callable[[int, int], None]]:
+        started = time.perf_counter()
+        display = _Delayed(description, self.delay_s) if self.enabled else None
+        try:
+            yield display.advance if display else (lambda done, total: None)
+        finally:
+            if display:
+                display.close()
+            self.log.append((description, time.perf_counter() - started))
+
+
+def _has_rich() -> bool:
+    try:
+        import rich.progress  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _Delayed:
+    """A rich progress bar started by a timer thread after `delay_s`, unless closed first."""
+
+    def __init__(self, description: str, delay_s: float) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.lock = threading.Lock()
+        self.started = self.closed = False
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                 console=Console(stderr=True), transient=True)
+        self.task = self.progress.add_task(f"remat: {description}", total=None)
+        self.timer = threading.Timer(delay_s, self._start)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _start(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.progress.start()
+                self.started = True
+
+    def advance(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        self.timer.cancel()
+        with self.lock:
+            self.closed = True
+            if self.started:
+                self.progress.stop()

@@ -1,0 +1,71 @@
+"""The floor: the smallest peak any plan reaches, with the plan that reaches it.
+
+`least_peak_plan(problem)` depends on the problem's graph and on the options only, never
+on `problem.budget_bytes` (it searches at budget 0) nor on the machine's load (every
+limit is deterministic work), so its answer is a budget that plans: at exactly that
+budget the floor plan fits, and a solver warm-started with it (`hint`) returns it or a
+cheaper one. The search: the `all` plan (recompute everything), the offload-everything
+plans when offload is allowed, then `auto` at budget 0 (brute when tiny, dp's exact
+least peak on block sequences, else ilp's smallest-peak search, all warm-started with
+the best of those), the least peak wins, ties to the cheaper.
+"""
+
+from __future__ import annotations
+
+import time
+
+from solvers.base import finish
+from solvers.problem import Decision, Plan, Problem, decisions_all
+from solvers.registry import SOLVERS, UnsupportedProblem, solve
+from solvers.simulate import evaluate
+
+FLOOR_TIME_LIMIT_S = 10.0
+"""Deterministic seconds the floor search may spend (the ilp default)."""
+
+
+def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME_LIMIT_S,
+                    seed: int = 0) -> Plan:
+    """The smallest-peak plan found (ties: the cheaper), as a Plan evaluated at a budget
+    equal to its own peak (so its status is FEASIBLE: it fits; no claim that no plan
+    peaks lower, though brute and dp do find the exact least peak). Deterministic: the
+    same problem graph and options give the same plan."""
+    started = time.perf_counter()
+    zero = problem.with_budget(0)
+    candidates = [decisions_all(zero, Decision.RECOMPUTE), decisions_all(zero, Decision.SAVE)]
+    if zero.offload_bandwidth_bytes_per_s is not None:
+        candidates += _offload_everything(zero)
+    best = min(candidates, key=lambda d: _key(zero, d))
+    if "auto" in SOLVERS:
+        options = {"time_limit_s": time_limit_s, "seed": seed}
+        if "ilp" in SOLVERS:
+            options["hint"] = best
+        try:
+            found = solve(zero, "auto", **options)
+        except UnsupportedProblem:
+            found = None
+        if found is not None and _key(zero, found.decisions) <= _key(zero, best):
+            best = dict(found.decisions)
+    floor = evaluate(zero, best).peak_bytes
+    return finish(problem.with_budget(floor), best, "floor", started_s=started)
+
+
+def _key(problem: Problem, decisions) -> tuple[int, float]:
+    ev = evaluate(problem, decisions)
+    return ev.peak_bytes, ev.cost_s
+
+
+def _offload_everything(problem: Problem) -> list[dict[int, Decision]]:
+    """Every offloadable value offloaded, the rest recomputed where it can be (or all
+    saved): the plans `remat.frontend.offloading.offload_floor_bytes` bounds with."""
+    out = []
+    for rest in (Decision.RECOMPUTE, Decision.SAVE):
+        decisions = {}
+        for i in problem.decision_ids:
+            if Decision.OFFLOAD in problem.allowed(i):
+                decisions[i] = Decision.OFFLOAD
+            elif rest is Decision.RECOMPUTE and problem.nodes[i].recomputable:
+                decisions[i] = Decision.RECOMPUTE
+            else:
+                decisions[i] = Decision.SAVE
+        out.append(decisions)
+    return out

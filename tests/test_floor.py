@@ -1,0 +1,69 @@
+"""A floor that plans: the smallest reachable peak comes with the plan that reaches it,
+does not depend on the budget asked for, and planning at exactly that budget returns
+that plan or a cheaper one (warm-started with it)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+
+import remat
+from remat import floor as remat_floor
+from remat import zoo
+from remat.errors import InfeasibleBudgetError
+from solvers import Status, builders, simulate, solve
+from solvers.floor import least_peak_plan
+from strategies import problems
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_forward=7))
+def test_floor_is_brutes_least_peak_on_small_problems(problem):
+    plan = least_peak_plan(problem)
+    assert plan.peak_bytes == solve(problem.with_budget(0), "brute").peak_bytes
+    assert simulate(problem.with_budget(plan.peak_bytes), plan).fits
+
+
+def test_floor_does_not_depend_on_the_budget_and_plans_at_itself():
+    base = builders.random_dag(60, seed=4, view_prob=0.1)
+    a = least_peak_plan(base.with_budget(0), time_limit_s=0.5)
+    b = least_peak_plan(base.with_budget(10**12), time_limit_s=0.5)
+    assert a.decisions == b.decisions and a.peak_bytes == b.peak_bytes
+    for other in ("all", "chen-greedy", "greedy"):
+        assert a.peak_bytes <= solve(base.with_budget(0), other).peak_bytes
+    at_floor = base.with_budget(a.peak_bytes)
+    for solver in ("ilp", "auto"):
+        plan = solve(at_floor, solver, hint=a, time_limit_s=0.5)
+        assert plan.status is not Status.INFEASIBLE
+        assert plan.peak_bytes <= a.peak_bytes and plan.objective_s <= a.objective_s
+
+
+LIMIT = dict(time_limit_s=0.5)  # the floor search and the solves share it (deterministic)
+
+
+def _case():
+    return zoo.build("gpt2", size="tiny")
+
+
+def test_planning_at_the_reported_floor_succeeds_and_is_no_costlier():
+    case = _case()
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, **LIMIT)
+    err = info.value
+    floor_plan = err.min_peak_plan
+    assert floor_plan is not None and floor_plan.peak_bytes == err.min_peak_bytes
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=err.min_peak_bytes, **LIMIT)
+    assert planned.predicted_peak_bytes <= err.min_peak_bytes
+    assert planned.plan.objective_s <= floor_plan.objective_s
+    # Another process remembers nothing: the deterministic search reaches the same
+    # floor, and the error's plan can be handed over as a hint.
+    remat_floor._FLOOR_PLANS.clear()
+    again = remat.plan(case.model, case.args, case.kwargs, budget=err.min_peak_bytes, **LIMIT)
+    assert again.predicted_peak_bytes <= err.min_peak_bytes
+    remat_floor._FLOOR_PLANS.clear()
+    hinted = remat.plan(case.model, case.args, case.kwargs, budget=err.min_peak_bytes, hint=floor_plan, **LIMIT)
+    assert hinted.plan.objective_s <= floor_plan.objective_s
+    # One byte below, it is refused with the same floor.
+    with pytest.raises(InfeasibleBudgetError) as below:
+        remat.plan(case.model, case.args, case.kwargs, budget=err.min_peak_bytes - 1, **LIMIT)
+    assert below.value.min_peak_bytes == err.min_peak_bytes
