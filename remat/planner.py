@@ -15,6 +15,7 @@ from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
+from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
@@ -90,6 +91,9 @@ class Partitioner:
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None)
+        layers = layer_structure(joint, gp)
+        if layers is not None:  # repeated layers, for the solvers that use them
+            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))

@@ -109,8 +109,8 @@ def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
 # ---- per-block tables ----
 
 
-def block_tables(problem: Problem, seq: BlockSequence, limit: int,
-                 clock: WorkClock | None = None) -> list[tuple[dict, tuple[int, int]]]:
+def block_tables(problem: Problem, seq: BlockSequence, limit: int, clock: WorkClock | None = None,
+                 fixed: frozenset[int] = frozenset()) -> list[tuple[dict, tuple[int, int]]]:
     """For each block: context (mode of a_{b-1}, a_{b-1} brought back in block b) ->
     Pareto-pruned options. Identical blocks (same signature) share one table."""
     cache: dict[tuple, dict] = {}
@@ -119,7 +119,7 @@ def block_tables(problem: Problem, seq: BlockSequence, limit: int,
         rel, offsets = _relative(block)
         sig = _signature(problem, rel)
         if sig not in cache:
-            cache[sig] = fronts.compile_table(_table(problem, rel, limit, clock or WorkClock(None)))
+            cache[sig] = fronts.compile_table(_table(problem, rel, limit, clock or WorkClock(None), fixed))
         out.append((cache[sig], offsets))
     return out
 
@@ -138,8 +138,9 @@ def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
     return rel, (off_f, off_g)
 
 
-def _table(problem: Problem, block: Block, limit: int, clock: WorkClock) -> dict:
-    evaluator = BlockEvaluator(problem, block)
+def _table(problem: Problem, block: Block, limit: int, clock: WorkClock,
+           fixed: frozenset[int] = frozenset()) -> dict:
+    evaluator = BlockEvaluator(problem, block, fixed)
     configs = enumerate_configs(problem, block, limit)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: dict[tuple, list[Option]] = {}
@@ -170,7 +171,8 @@ def _table(problem: Problem, block: Block, limit: int, clock: WorkClock) -> dict
 def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[Decision, ...]]:
     """Configurations of the block's values, aligned with block.values. A value that no
     backward node reads and that no RECOMPUTE value of the block reads is never needed:
-    SAVE and RECOMPUTE are then the same plan, so it is fixed to SAVE."""
+    SAVE and RECOMPUTE are then the same plan, so it is fixed to SAVE. A non-recomputable
+    value that backward reads is never RECOMPUTE (simulate would reject the plan)."""
     nodes = problem.nodes
     values = block.values
     inside = set(values)
@@ -198,6 +200,8 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
         relevant = (v == block.boundary or v in read_by_backward
                     or any(partial[c] is Decision.RECOMPUTE for c in children[v]))
         for d in problem.allowed(v) if relevant else (Decision.SAVE,):
+            if d is Decision.RECOMPUTE and v in read_by_backward and not nodes[v].recomputable:
+                continue  # backward would have to recompute it: always InvalidLocal
             partial[v] = d
             rec(k + 1)
         del partial[v]

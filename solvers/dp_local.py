@@ -75,9 +75,12 @@ class BlockEvaluator:
     """Evaluates configurations of one block; configurations are tuples aligned with
     `block.values`."""
 
-    def __init__(self, problem: Problem, block: Block) -> None:
+    def __init__(self, problem: Problem, block: Block, fixed: frozenset[int] = frozenset()) -> None:
         self.problem = problem
         self.block = block
+        self.fixed = fixed
+        """Decision values kept outside every block (dp_structure.analyze's `fixed`):
+        always on the device, counted in the static bytes."""
         self.nodes = problem.nodes
         self.values = block.values
         self.local_roots = set(block.values)
@@ -104,7 +107,7 @@ class _Run:
         self.prev = ev.block.prev
         self.boundary = ev.block.boundary
         self.mode_prev = mode_prev
-        self.on_device = {v for v, d in dec.items() if d is Decision.SAVE}
+        self.on_device = {v for v, d in dec.items() if d is Decision.SAVE} | ev.fixed
         if self.prev is not None and mode_prev is Decision.SAVE:
             self.on_device.add(self.prev)
         self.cost_s = sum(ev.store_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)

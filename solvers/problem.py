@@ -16,6 +16,8 @@ import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from solvers.structure import LayerStructure
+
 
 class Phase(enum.Enum):
     """Where a node runs. PARAM and INPUT values are live for the whole step."""
@@ -95,6 +97,9 @@ class Problem:
     """The peak of live device bytes the step must stay under (inclusive)."""
     offload_bandwidth_bytes_per_s: float | None = None
     """Device<->host link bandwidth; None means OFFLOAD is not allowed."""
+    layers: LayerStructure | None = None
+    """The repeated layers (which forward node ran in which layer), when the front end
+    found them; solvers that use them (`layers`) decline without."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -128,6 +133,11 @@ class Problem:
         for j in self.outputs:
             if not isinstance(j, int) or not 0 <= j < n:
                 raise ValueError(f"output {j!r} is not a node id (0..{n - 1})")
+        if self.layers is not None:
+            if not isinstance(self.layers, LayerStructure):
+                raise ValueError(f"layers must be a LayerStructure or None, got {type(self.layers).__name__}")
+            if len(self.layers.layer_of) != n:
+                raise ValueError(f"layers.layer_of has {len(self.layers.layer_of)} entries for {n} nodes")
 
     # ---- derived structure (cached; the dataclass is frozen so these never go stale) ----
 
