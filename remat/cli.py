@@ -145,13 +145,13 @@ def _cmd_report(opts: argparse.Namespace) -> int:
         training = TrainingOptions(optimizer=opts.optimizer, precision=opts.precision, shard=opts.shard,
                                    zero_stage=opts.zero_stage, adapter=opts.adapter)
     except ValueError as e:
-        raise tgt.TargetError(str(e)) from None
+        raise tgt.TargetError(f"bad training option (--shard, --zero-stage, ...): {e}") from None
     if opts.pareto_points < 2:
         raise tgt.TargetError(f"--pareto-points {opts.pareto_points}: give at least 2")
     stages = Stages(quiet=opts.quiet)
     with stages.stage("building the model"):
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
-    with stages.stage("tracing, solving, rewriting"):
+    with stages.planning(opts.verbose):
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
                              solver=opts.solver, device_speed=speed)
     with stages.stage("Pareto sweep") as advance:

@@ -191,4 +191,13 @@ class _Model:
         for block, config in zip(self.seq.blocks, configs):
             chosen.update(zip(block.values, config))
         red = self.red
-        return {i: chosen.get(red.reduced_id(i), Decision.SAVE) for i in self.problem.decision_ids}, cost
+        return {i: _unfolded(self.problem, i, chosen.get(red.reduced_id(i), Decision.SAVE))
+                for i in self.problem.decision_ids}, cost
+
+
+def _unfolded(problem: Problem, i: int, base_decision: Decision) -> Decision:
+    """A folded view takes its base's decision, except OFFLOAD (a view is never moved on
+    its own): the view of an offloaded base is recomputed from the reloaded base."""
+    if base_decision is Decision.OFFLOAD and Decision.OFFLOAD not in problem.allowed(i):
+        return Decision.RECOMPUTE if problem.nodes[i].recomputable else Decision.SAVE
+    return base_decision

@@ -101,7 +101,7 @@ def build_report(
                        also_budgets=(step.budget_bytes,))
         floor = pareto[0].predicted_peak_bytes
     else:
-        pareto, floor = (), min_peak_bytes(problem, plan.solver)[0]
+        pareto, floor = (), min_peak_bytes(problem)[0]
     t = step.timings
     return Report(
         model=name or type(model).__name__,

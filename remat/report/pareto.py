@@ -7,10 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
-
-FLOOR_SOLVERS = ("all", "chen-greedy")
-"""Heuristics whose smallest peak bounds the floor from above (as the planner's
-infeasible-budget message does); the solver's own budget-0 plan is added to them."""
+from solvers.floor import least_peak_plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,13 +23,11 @@ class ParetoPoint:
     """The status of the solve that found the plan (optimal, feasible)."""
 
 
-def min_peak_bytes(problem: Problem, solver: str) -> tuple[int, Plan]:
-    """The smallest peak found and its plan: `solver` at budget 0 (it returns its
-    smallest-peak plan as INFEASIBLE) and the FLOOR_SOLVERS heuristics."""
-    zero = problem.with_budget(0)
-    plans = [solve(zero, name) for name in dict.fromkeys((solver, *FLOOR_SOLVERS))]
-    best = min(plans, key=lambda p: (p.peak_bytes, p.objective_s))
-    return best.peak_bytes, best
+def min_peak_bytes(problem: Problem) -> tuple[int, Plan]:
+    """The smallest peak found and its plan: `solvers.floor.least_peak_plan`, the floor
+    the planner reports when it refuses a budget (deterministic)."""
+    plan = least_peak_plan(problem)
+    return plan.peak_bytes, plan
 
 
 def sweep(
@@ -55,7 +50,8 @@ def sweep(
     if points < 2:
         raise ValueError(f"points={points} must be at least 2 (the floor and the no-remat peak)")
     baseline_plan = _as_plan(problem, decisions_all(problem, Decision.SAVE), "none")
-    floor, floor_plan = min_peak_bytes(problem, solver)
+    floor, floor_plan = min_peak_bytes(problem)
+    floor = min([floor, *(p.peak_bytes for p in known)])  # a known plan may peak lower
     top = max(baseline_plan.peak_bytes, floor)
     budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)}
                      | {b for b in also_budgets if floor < b < top})
@@ -74,8 +70,7 @@ def sweep(
         best = min(fitting, key=lambda p: (p.objective_s, p.peak_bytes))
         out.append(ParetoPoint(budget_bytes=budget, predicted_peak_bytes=best.peak_bytes,
                                extra_compute_s=best.objective_s, solver=best.solver,
-                               # the floor plan was solved at budget 0, hence INFEASIBLE there
-                               status="feasible" if best.status is Status.INFEASIBLE else best.status.value))
+                               status=best.status.value))
     return tuple(out)
 
 
