@@ -8,6 +8,10 @@ Methods, per model (GPT-2 with dropout, LLaMA, BERT, ViT, ResNet-18 with BatchNo
               eager (boxed, free-at-last-use) fw/bw compilers, as remat runs its graphs
   remat:S     ``remat.plan(..., solver=S)`` over budgets from the no-remat peak down to
               the smallest reachable one
+  with --compiled (bench/compiled.py; profiler peak, step ratio, compile time):
+  torch.compile   inductor with PyTorch's partitioner under activation_memory_budget
+  remat+inductor  ``torch.compile(model, backend=remat.backend(...))`` at 100% and at
+                  each torch.compile point's measured peak
 
 Per run: measured peak (live-storage tracker; the profiler's allocator view too), extra
 FLOPs over eager (FlopCounterMode), median step time interleaved with eager steps,
@@ -380,7 +384,20 @@ def run_model(name: str, opts: argparse.Namespace) -> list[Row]:
     rows += torch_rows(name, opts.size, ref, opts.torch_budgets, opts.repeats)
     targets = tuple(r.peak_bytes for r in rows if r.method in ("torch", "checkpoint") and r.measured)
     rows += remat_rows(name, opts.size, ref, opts.solvers, opts.points, opts.repeats, targets)
+    if opts.compiled:
+        rows += _compiled_rows(name, opts, ref)
     return rows
+
+
+def _compiled_rows(name: str, opts: argparse.Namespace, ref: Reference) -> list[Row]:
+    """bench/compiled.py's rows (it imports this module as `compare`)."""
+    import importlib.util
+
+    sys.modules.setdefault("compare", sys.modules[__name__])
+    spec = importlib.util.spec_from_file_location("bench_compiled", Path(__file__).with_name("compiled.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compiled_rows(name, opts.size, ref, module.TORCH_COMPILE_BUDGETS, opts.repeats)
 
 
 # --- verdicts ----------------------------------------------------------------------------
@@ -556,6 +573,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "OpenMP barriers under oversubscription made eager steps vary 20x (0 = torch's default)")
     parser.add_argument("--out", default="results/compare")
     parser.add_argument("--quick", action="store_true", help="gpt2, two budgets, one solver")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add torch.compile and remat+inductor rows (bench/compiled.py)")
     opts = parser.parse_args(argv)
     opts.models = tuple(m for m in opts.models.split(",") if m)
     opts.torch_budgets = tuple(float(b) for b in opts.torch_budgets.split(","))

@@ -145,7 +145,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
         training = TrainingOptions(optimizer=opts.optimizer, precision=opts.precision, shard=opts.shard,
                                    zero_stage=opts.zero_stage, adapter=opts.adapter)
     except ValueError as e:
-        raise tgt.TargetError(str(e)) from None
+        raise tgt.TargetError(f"bad training option (--shard, --zero-stage, ...): {e}") from None
     if opts.pareto_points < 2:
         raise tgt.TargetError(f"--pareto-points {opts.pareto_points}: give at least 2")
     stages = Stages(quiet=opts.quiet)

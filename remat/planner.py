@@ -17,6 +17,7 @@ from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
 from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
+from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
@@ -104,6 +105,10 @@ class Partitioner:
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=self.options,
                                          baseline_bytes=baseline, offload=self.offload)
+        if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
+            # inductor: saving a fusible value costs traffic (remat.fusion); before the
+            # ranks agree, so every rank takes rank 0's result
+            plan = prefer_fused_recompute(joint, gp, plan, speed)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
