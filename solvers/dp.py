@@ -247,7 +247,10 @@ def _signature(problem: Problem, block: Block) -> tuple:
     if block.prev is not None:
         p = nodes[block.prev]
         prev = (p.out_bytes, p.recomputable, p.offloadable, block.prev_read_later)
-    return (tuple(items), prev, block.boundary is None, problem.offload_bandwidth_bytes_per_s,
+    # store_s depends on the forward compute after a value, so identical layers at
+    # different depths may price an offload differently
+    store = tuple(problem.store_s(v) for v in block.values) if problem.offload_bandwidth_bytes_per_s else ()
+    return (tuple(items), prev, block.boundary is None, problem.offload_bandwidth_bytes_per_s, store,
             block.static_forward, block.static_backward, block.static_before,
             tuple(local.get(v) for v in block.values))
 

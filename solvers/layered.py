@@ -144,12 +144,21 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     chosen: dict[int, Decision] = {}
     for block, config in zip(seq.blocks, configs):
         chosen.update(zip(block.values, config))
-    decisions = {i: chosen.get(red.reduced_id(i), Decision.SAVE) for i in problem.decision_ids}
+    decisions = {i: _unfolded(problem, i, chosen.get(red.reduced_id(i), Decision.SAVE))
+                 for i in problem.decision_ids}
     ev = evaluate(problem, decisions)
     bound = _bound(problem, tables, seq.initial_bytes, kept, ev.cost_s, ev.peak_bytes, (cost, peak))
     return finish(problem, decisions, "layers", started_s=started,
                   optimal=bound is not None and bound >= ev.cost_s * (1 - 1e-9), lower_bound_s=bound,
                   work_s=clock.spent_s)
+
+
+def _unfolded(problem: Problem, i: int, base_decision: Decision) -> Decision:
+    """A folded view takes its base's decision, except OFFLOAD (a view is never moved on
+    its own): the view of an offloaded base is recomputed from the reloaded base."""
+    if base_decision is Decision.OFFLOAD and Decision.OFFLOAD not in problem.allowed(i):
+        return Decision.RECOMPUTE if problem.nodes[i].recomputable else Decision.SAVE
+    return base_decision
 
 
 def _bound(problem: Problem, tables: list, initial_bytes: int, kept: frozenset[int], cost_s: float,

@@ -32,6 +32,12 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
         lines.append(f"  peak at:         step {ev.peak_step} ({s.kind.value} {nodes[s.node_id].name}, {where})")
     flops_note = f"{ev.recompute_s * 1e3:.3f} ms estimated"
     lines.append(f"  recompute:       {len(ev.recomputed_ids)} values, {flops_note}")
+    if ev.offload_bytes:
+        lines.append(
+            f"  offload:         {plan.count(Decision.OFFLOAD)} values, {format_bytes(ev.offload_bytes)} "
+            f"each way, transfer {ev.transfer_s * 1e3:.3f} ms ({ev.hidden_transfer_s * 1e3:.3f} ms "
+            f"hidden behind compute, {ev.offload_s * 1e3:.3f} ms exposed)"
+        )
     lines.append(
         f"  decisions:       {plan.count(Decision.SAVE)} saved, {plan.count(Decision.RECOMPUTE)} "
         f"recomputed-or-dropped, {plan.count(Decision.OFFLOAD)} offloaded "
