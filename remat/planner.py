@@ -5,6 +5,7 @@ it into forward and backward modules. AOTAutograd calls `Partitioner` as its
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -15,11 +16,17 @@ from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.floor import at_the_floor, solve_with_floor
 from remat.frontend import costs
+from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
+from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+
+log = logging.getLogger(__name__)
+STAGE = "remat_stage"
+"""`extra` key of the debug records marking each stage (the CLI's progress bar reads it)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +93,7 @@ class Partitioner:
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
+        log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
         cost_s = costs.cost_function(self.cost_model, speed)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
@@ -94,21 +102,31 @@ class Partitioner:
         options = {k: v for k, v in self.options.items() if k != "measure_workspace"}
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
+        layers = layer_structure(joint, gp)
+        if layers is not None:  # repeated layers, for the solvers that use them
+            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         budget_bytes = resolve_budget(self.budget, baseline)
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
+        log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
+                  extra={STAGE: "solve"})
         plan = solve_with_floor(gp.problem, self.solver, options)
         refusal = None
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
                                          baseline_bytes=baseline, offload=self.offload)
+        if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
+            # inductor: saving a fusible value costs traffic (remat.fusion); before the
+            # ranks agree, so every rank takes rank 0's result
+            plan = prefer_fused_recompute(joint, gp, plan, speed)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
             raise refusal or _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
+        log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
         t_done = time.perf_counter()

@@ -34,6 +34,11 @@ from solvers.ilp import ILPOptions, solve_ilp  # noqa: E402
 
 register(SolverSpec(name="ilp", run=solve_ilp, options_type=ILPOptions, exact=True,
                     summary="CP-SAT over the canonical plan space, checked by simulate (no-good cuts)"))
+from solvers.layered import LayersOptions, solve_layers  # noqa: E402
+
+register(SolverSpec(name="layers", run=solve_layers, options_type=LayersOptions, exact=False,
+                    summary="exact DP over repeated layers (Problem.layers), values shared "
+                            "between layers kept; optimal over that space"))
 from solvers.auto import AutoOptions, solve_auto  # noqa: E402
 
 register(SolverSpec(name="auto", run=solve_auto, options_type=AutoOptions, exact=True,

@@ -3,12 +3,16 @@
 The choice, in order:
   1. no decision values, or at most `brute_max` of them: `brute` (exhaustive, exact, a
      few milliseconds);
-  2. a chain or a sequence of blocks (dp_structure.analyze succeeds) whose blocks are
+  2. repeated layers found by the front end (Problem.layers) whose blocks are small
+     enough: `layers` (exact over its plan space, in which the few values shared
+     between layers, such as a causal mask, are kept; lower_bound_s is over that space);
+     it gets `time_limit_s` (default `default_time_limit_s`) for its block tables;
+  3. a chain or a sequence of blocks (dp_structure.analyze succeeds) whose blocks are
      small enough: `dp` (exact, seconds even at 10,000 nodes);
-  3. otherwise `ilp` under `time_limit_s` (default 10 s): OPTIMAL, or FEASIBLE with a
+  4. otherwise `ilp` under `time_limit_s` (default 10 s): OPTIMAL, or FEASIBLE with a
      lower bound; it is warm-started from the best heuristic plan, so it is never worse
      than `chen-greedy`;
-  4. if `ilp` is not available (OR-Tools missing) or raises UnsupportedProblem:
+  5. if `ilp` is not available (OR-Tools missing) or raises UnsupportedProblem:
      `chen-greedy`.
 A solver that raises UnsupportedProblem hands over to the next one. The returned plan
 keeps the chosen solver's status and bound but is labelled "auto".
@@ -38,7 +42,8 @@ class AutoOptions(Options):
     brute_max: int = 12
     """Largest number of decision values solved by exhaustive enumeration."""
     default_time_limit_s: float = 10.0
-    """Time limit given to `ilp` when time_limit_s is None (deterministic seconds)."""
+    """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
+    seconds)."""
     hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing
@@ -50,6 +55,8 @@ def choose(problem: Problem, options: AutoOptions) -> list[str]:
     order = []
     if len(problem.decision_ids) <= options.brute_max:
         order.append("brute")
+    if problem.layers is not None:
+        order.append("layers")
     order += ["dp", "ilp", "chen-greedy"]
     return [name for name in order if name in SOLVERS]
 
@@ -78,7 +85,7 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         time_limit_s=options.time_limit_s, seed=options.seed, workers=options.workers)
     for name in choose(problem, opts):
         limit = opts.time_limit_s
-        if limit is None and name == "ilp":
+        if limit is None and name in ("ilp", "layers"):
             limit = opts.default_time_limit_s
         passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
         if name == "ilp" and opts.hint is not None:
@@ -88,6 +95,8 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         except UnsupportedProblem as error:
             log.info("auto: %s declined: %s", name, error)
             continue
+        if name == "layers" and plan.status is Status.INFEASIBLE:
+            continue  # its smallest peak is over its narrower space: let the next solver say
         if opts.hint is not None:
             plan = _no_worse_than(problem, plan, opts.hint)
         return dataclasses.replace(plan, solver="auto", solve_s=time.perf_counter() - started)

@@ -55,9 +55,11 @@ class BlockSequence:
     """Bytes live before the first step (parameters and inputs)."""
 
 
-def analyze(problem: Problem) -> BlockSequence:
-    """The finest block sequence of `problem`; UnsupportedProblem if there is none."""
-    decision = set(problem.decision_ids)
+def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset()) -> BlockSequence:
+    """The finest block sequence of `problem`; UnsupportedProblem if there is none.
+    `fixed` decision values are kept (SAVE): they count as static bytes, like values no
+    decision changes, and belong to no block."""
+    decision = set(problem.decision_ids) - set(fixed)
     _check_supported(problem, decision)
     cuts = _forward_cuts(problem, decision)
     while True:
@@ -129,7 +131,6 @@ def _backward_violations(
     previous boundary) and the blocks read never increase along backward."""
     nodes = problem.nodes
     bad: set[int] = set()
-    phases: list[tuple[int, int]] = []  # (block, backward id) for nodes that read decision values
     for r in problem.backward_ids:
         reads = [j for j in nodes[r].inputs if j in decision]
         if not reads:
@@ -139,13 +140,35 @@ def _backward_violations(
         ok_lo = block_of[lo] == b or (b > 0 and lo == cuts[b - 1])
         if not ok_lo:
             bad.update(c for c in cuts if lo <= c < hi)
-        phases.append((b, r))
     low = None  # lowest block seen so far along backward
-    for b, _ in phases:
+    for _, b in _backward_phases(problem, decision, cuts, block_of):
         if low is not None and b > low:
             bad.update(cuts[low:b])
         low = b if low is None else min(low, b)
     return bad
+
+
+def _backward_phases(
+    problem: Problem, decision: set[int], cuts: list[int], block_of: dict[int, int]
+) -> list[tuple[int, int]]:
+    """(backward id, block whose phase G_b runs it) for each backward node that reads
+    decision values: the block of the highest value it reads, except that a node reading
+    only a boundary a_b runs in G_{b+1} when the next such node does (G_{b+1} may read
+    a_b; an RMSNorm's backward reads its input before its rsqrt)."""
+    nodes = problem.nodes
+    rows = []
+    for r in problem.backward_ids:
+        reads = [j for j in nodes[r].inputs if j in decision]
+        if reads:
+            hi = max(reads)
+            b = block_of[hi]
+            rows.append([r, b, min(reads) == hi and b < len(cuts) and hi == cuts[b]])
+    after = None  # phase block of the next row
+    for row in reversed(rows):
+        if row[2] and after == row[1] + 1:
+            row[1] = after
+        after = row[1]
+    return [(r, b) for r, b, _ in rows]
 
 
 def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict[int, int]) -> BlockSequence:
@@ -156,11 +179,10 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     for i in problem.forward_ids:
         fwd[block_of[i]].append(i)
     bwd: list[list[int]] = [[] for _ in range(n_blocks)]
+    phase = dict(_backward_phases(problem, decision, cuts, block_of))
     current = n_blocks - 1
     for r in problem.backward_ids:
-        reads = [j for j in nodes[r].inputs if j in decision]
-        if reads:
-            current = block_of[max(reads)]
+        current = phase.get(r, current)
         bwd[current].append(r)
     prev_read_later = [False] * n_blocks
     for b in range(1, n_blocks):

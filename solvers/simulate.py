@@ -15,8 +15,9 @@ Canonical schedule (used when a plan has no explicit one):
   5. An op's workspace (Node.workspace_bytes) is live only while its step runs: it
      adds to that step's timeline entry (forward, backward or recompute; not a reload).
   6. SAVE values keep their forward instance for backward; RECOMPUTE and OFFLOAD values
-     lose it after their last forward use (OFFLOAD moves it to host memory, which costs
-     `out_bytes / bandwidth` each way; no overlap with compute is assumed).
+     lose it after their last forward use (OFFLOAD moves it to host memory: the copy out
+     overlaps the forward compute after that use and costs only what sticks out,
+     `Problem.store_s`; the copy back is waited for in full, `Problem.reload_s`).
 
 An explicit schedule (Plan.schedule) replaces step 3: backward ids once each in any
 order their inputs allow, forward ids wherever they are recomputed (RECOMPUTE) or
@@ -194,6 +195,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
 
     offload_bytes = 0
     transfer_bytes = 0
+    offload_s = 0.0
     recompute_s = 0.0
     recomputed: set[int] = set()
     for k, step in enumerate(steps):
@@ -201,6 +203,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         node = nodes[i]
         if step.kind is StepKind.RELOAD:
             transfer_bytes += node.out_bytes
+            offload_s += problem.reload_s(i)
         else:
             for j in node.inputs:
                 inst = newest[j]
@@ -220,6 +223,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         newest[i] = inst
         if step.kind is StepKind.FORWARD and decisions.get(i) is Decision.OFFLOAD:
             offload_bytes += node.out_bytes
+            offload_s += problem.store_s(i)
     transfer_bytes += offload_bytes
     for i in problem.outputs:
         inst_end[newest[i]] = forever
@@ -247,7 +251,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         live -= free_after[k]
 
     bw = problem.offload_bandwidth_bytes_per_s
-    offload_s = transfer_bytes / bw if bw else 0.0
+    transfer_s = transfer_bytes / bw if bw else 0.0
     return Evaluation(
         peak_bytes=peak,
         peak_step=peak_step,
@@ -258,4 +262,5 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         timeline=tuple(timeline),
         fits=peak <= problem.budget_bytes,
         recomputed_ids=tuple(sorted(recomputed)),
+        transfer_s=transfer_s,
     )

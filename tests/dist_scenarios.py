@@ -23,12 +23,12 @@ import remat
 WORLD = 2
 
 
-def qwen2(layers: int = 4) -> nn.Module:
+def qwen2(layers: int = 4, hidden: int = 64) -> nn.Module:
     """A narrow Qwen2 causal LM, seeded: the same weights on every rank."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+    config = Qwen2Config(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                          use_cache=False, attn_implementation="sdpa")
     return Qwen2ForCausalLM(config).train()
@@ -174,11 +174,100 @@ def fsdp2_plan_refused() -> dict[str, Any]:
     return {"error": None}
 
 
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _profiled(fn: Callable[[], Any]) -> tuple[dict[str, int], int]:
+    """c10d collectives the step ran (profiler events), and its measured peak bytes
+    above what existed before (profiler allocator events: dispatch modes would make
+    dynamo fall back to eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from remat.measure import _allocation_events
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    running = high = 0
+    for _, _, size in _allocation_events(prof, torch.device("cpu")):
+        running += size
+        high = max(high, running)
+    return dict(Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))), high
+
+
+FSDP2_GRAPH_BUDGET = "0.8MiB"
+
+
+def fsdp2_compiled() -> dict[str, Any]:
+    """torch.compile(fully_shard-ed Qwen2, backend=remat.backend) against eager FSDP2."""
+    rank = dist.get_rank()
+    base = qwen2()
+    eager, ours = _shard(copy.deepcopy(base)), _shard(base)
+    backend = remat.backend(budget=FSDP2_GRAPH_BUDGET, solver="chen-greedy", compiler="eager")
+    runs = {"eager": eager, "remat": torch.compile(ours, backend=backend)}
+    facts: dict[str, Any] = {}
+    for name, run in runs.items():
+        run(**rank_batch(rank, 0)).loss.backward()  # compiles
+        facts[name] = _profiled(lambda run=run: run(**rank_batch(rank, 1)).loss.backward())
+    layer = base.model.layers[0]
+    steps = backend.steps
+    biggest = max(steps, key=lambda s: len(s.graph_problem.problem.nodes))
+    problem = biggest.graph_problem.problem
+    return {
+        "grads_equal": all(torch.equal(a.grad.to_local(), b.grad.to_local())
+                           for a, b in zip(eager.parameters(), ours.parameters())),
+        "collectives": (facts["eager"][0], facts["remat"][0]),
+        "peak_bytes": (facts["eager"][1], facts["remat"][1]),
+        "graphs": [(s.budget_bytes, s.evaluation.peak_bytes, s.baseline_peak_bytes,
+                    len(s.evaluation.recomputed_ids)) for s in steps],
+        "layer_unsharded_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
+        "layer_graph_source_bytes": sum(n.out_bytes for n in problem.nodes
+                                        if n.phase.name in ("PARAM", "INPUT")),
+        "decisions": [tuple(d.value for d in s.plan.decisions.values()) for s in steps],
+    }
+
+
+def ddp_compiled() -> dict[str, Any]:
+    """torch.compile(DDP(model), backend=remat.backend): DDPOptimizer splits the graph at
+    bucket boundaries and remat plans every piece; against the same split without remat
+    (aot_eager), whose code path (dynamo's) is the same."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    base = qwen2(layers=4, hidden=128)
+    reference = copy.deepcopy(base)
+    # 1 MB buckets over ~2.8 MB of parameters (DDPOptimizer asserts on buckets below 1 MB)
+    backend = remat.backend(budget=DDP_GRAPH_BUDGET, solver="chen-greedy", compiler="eager")
+    ours = torch.compile(DDP(base, bucket_cap_mb=1), backend=backend)
+    theirs = torch.compile(DDP(reference, bucket_cap_mb=1), backend="aot_eager")
+    for step in range(2):
+        ours(**rank_batch(rank, step)).loss.backward()
+        theirs(**rank_batch(rank, step)).loss.backward()
+    return {
+        "grads_equal": all(torch.equal(a.grad, b.grad)
+                           for a, b in zip(base.parameters(), reference.parameters())),
+        "graphs": [(s.budget_bytes, s.evaluation.peak_bytes, s.baseline_peak_bytes,
+                    len(s.evaluation.recomputed_ids)) for s in backend.steps],
+    }
+
+
+DDP_GRAPH_BUDGET = "3.7MB"
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp": ddp_grads_equal,
     "agree": plans_agree,
     "funcol": collectives_never_recomputed,
     "fsdp2_plan": fsdp2_plan_refused,
+    "fsdp2_compile": fsdp2_compiled,
+    "ddp_compile": ddp_compiled,
 }
 
 

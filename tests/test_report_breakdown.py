@@ -80,3 +80,46 @@ def test_fit_search_respects_max_and_start():
     assert search(_threshold(1000, []), start=1, maximum=100).hit_maximum
     assert search(_threshold(5, []), start=8).answer is None
     assert search(_threshold(50, []), start=8, maximum=40).answer == 40
+
+
+def test_progress_appears_only_after_the_delay_and_never_when_quiet():
+    import time
+
+    from remat.progress import Stages
+
+    assert not Stages(quiet=True).enabled
+    stages = Stages(delay_s=0.05)
+    stages.enabled = True  # as on a terminal
+    with stages.stage("slow") as advance:
+        time.sleep(0.3)
+        advance(1, 2)
+        assert advance.__self__.started  # the bar is up
+    with stages.stage("quick") as advance:
+        pass
+    assert not advance.__self__.started  # closed before the delay: never drawn
+    assert [name for name, _ in stages.log] == ["slow", "quick"] and stages.log[0][1] >= 0.3
+
+
+def test_the_progress_follows_the_planners_stages_quietly(capsys):
+    import torch
+
+    import remat
+    from remat.progress import Stages
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    loss_model = _ScalarLoss(model)
+    stages = Stages(delay_s=0.0)
+    stages.enabled = True
+    with stages.planning(verbose=False):
+        remat.plan(loss_model, (torch.randn(4, 8),), budget="100%", solver="none")
+    assert stages.planner_stages == ("profile", "solve", "rewrite")
+    assert "solving" not in capsys.readouterr().err  # the records fed the bar, not the log
+
+
+class _ScalarLoss(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).square().mean()

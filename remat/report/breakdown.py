@@ -153,7 +153,9 @@ def activations_at_peak(problem: Problem, decisions, evaluation: Evaluation) -> 
     sum to the peak. Also `offloaded`: bytes the plan keeps in host memory."""
     live = live_storages(problem, evaluation, evaluation.peak_step)
     nodes = problem.nodes
-    grads = {i for i in problem.outputs if nodes[i].phase is Phase.BACKWARD and nodes[i].inputs}
+    # a gradient output may be a view (the transpose of a matmul): count its storage
+    grads = {problem.storage_of[i] for i in problem.outputs
+             if nodes[i].phase is Phase.BACKWARD and nodes[i].inputs}
     out = {"inputs": 0, "saved": 0, "recomputed": 0, "temporaries": 0, "params": 0, "gradients": 0}
     for node_id, kind in live.values():
         nbytes = nodes[node_id].out_bytes

@@ -97,10 +97,11 @@ def build_report(
     problem = gp.problem
     if pareto_points:
         pareto = sweep(problem, solver=plan.solver, points=pareto_points,
-                       time_limit_s=pareto_time_limit_s, on_point=on_pareto_point, known=(plan,))
+                       time_limit_s=pareto_time_limit_s, on_point=on_pareto_point, known=(plan,),
+                       also_budgets=(step.budget_bytes,))
         floor = pareto[0].predicted_peak_bytes
     else:
-        pareto, floor = (), min_peak_bytes(problem, plan.solver)[0]
+        pareto, floor = (), min_peak_bytes(problem)[0]
     t = step.timings
     return Report(
         model=name or type(model).__name__,

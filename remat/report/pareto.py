@@ -7,10 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
-
-FLOOR_SOLVERS = ("all", "chen-greedy")
-"""Heuristics whose smallest peak bounds the floor from above (as the planner's
-infeasible-budget message does); the solver's own budget-0 plan is added to them."""
+from solvers.floor import least_peak_plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,19 +17,21 @@ class ParetoPoint:
     budget_bytes: int
     predicted_peak_bytes: int
     extra_compute_s: float
-    """Recompute seconds plus offload transfer seconds (simulate's objective)."""
+    """Recompute seconds of the plan."""
+    offload_s: float
+    """Offload transfer seconds of the plan (0 without offload)."""
+    extra_time_s: float
+    """extra_compute_s + offload_s: simulate's objective, which never grows with the budget."""
     solver: str
     status: str
     """The status of the solve that found the plan (optimal, feasible)."""
 
 
-def min_peak_bytes(problem: Problem, solver: str) -> tuple[int, Plan]:
-    """The smallest peak found and its plan: `solver` at budget 0 (it returns its
-    smallest-peak plan as INFEASIBLE) and the FLOOR_SOLVERS heuristics."""
-    zero = problem.with_budget(0)
-    plans = [solve(zero, name) for name in dict.fromkeys((solver, *FLOOR_SOLVERS))]
-    best = min(plans, key=lambda p: (p.peak_bytes, p.objective_s))
-    return best.peak_bytes, best
+def min_peak_bytes(problem: Problem) -> tuple[int, Plan]:
+    """The smallest peak found and its plan: `solvers.floor.least_peak_plan`, the floor
+    the planner reports when it refuses a budget (deterministic)."""
+    plan = least_peak_plan(problem)
+    return plan.peak_bytes, plan
 
 
 def sweep(
@@ -43,22 +42,29 @@ def sweep(
     time_limit_s: float | None = 5.0,
     on_point: Callable[[int, int], None] | None = None,
     known: Sequence[Plan] = (),
+    also_budgets: Sequence[int] = (),
 ) -> tuple[ParetoPoint, ...]:
     """`points` budgets evenly spaced from the floor to the no-remat peak, each solved
     with `solver`; every point reports the cheapest plan seen whose peak fits its budget
     (a plan found for a smaller budget fits a larger one), so extra compute never grows
     with the budget. `known`: plans already found (the plan being reported), so the
-    front is never worse than them. `on_point(done, total)` reports progress."""
+    front is never worse than them; `also_budgets` (their budgets) are added to the sweep
+    when they lie inside it, so the curve passes through them. `on_point(done, total)`
+    reports progress."""
     if points < 2:
         raise ValueError(f"points={points} must be at least 2 (the floor and the no-remat peak)")
     baseline_plan = _as_plan(problem, decisions_all(problem, Decision.SAVE), "none")
-    floor, floor_plan = min_peak_bytes(problem, solver)
+    floor, floor_plan = min_peak_bytes(problem)
+    floor = min([floor, *(p.peak_bytes for p in known)])  # a known plan may peak lower
     top = max(baseline_plan.peak_bytes, floor)
-    budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)})
+    budgets = sorted({floor + (top - floor) * k // (points - 1) for k in range(points)}
+                     | {b for b in also_budgets if floor < b < top})
     found: list[Plan] = [baseline_plan, floor_plan, *known]
     for done, budget in enumerate(budgets):
         if on_point is not None:
             on_point(done, len(budgets))
+        if budget in also_budgets:
+            continue  # a known plan was solved for this budget already
         plan = solve(problem.with_budget(budget), solver, time_limit_s=time_limit_s)
         if plan.status is not Status.INFEASIBLE:
             found.append(plan)
@@ -66,10 +72,11 @@ def sweep(
     for budget in budgets:
         fitting = [p for p in found if p.peak_bytes <= budget]
         best = min(fitting, key=lambda p: (p.objective_s, p.peak_bytes))
+        ev = simulate(problem, best)
         out.append(ParetoPoint(budget_bytes=budget, predicted_peak_bytes=best.peak_bytes,
-                               extra_compute_s=best.objective_s, solver=best.solver,
-                               # the floor plan was solved at budget 0, hence INFEASIBLE there
-                               status="feasible" if best.status is Status.INFEASIBLE else best.status.value))
+                               extra_compute_s=ev.recompute_s, offload_s=ev.offload_s,
+                               extra_time_s=best.objective_s, solver=best.solver,
+                               status=best.status.value))
     return tuple(out)
 
 

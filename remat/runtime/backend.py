@@ -48,7 +48,7 @@ import torch
 from torch import fx
 
 from remat import distributed
-from remat.budget import check_budget_syntax
+from remat.budget import check_budget_syntax, format_bytes
 from remat.errors import CompositionError, RematError, UnknownSolverError
 from remat.frontend import costs
 from remat.frontend.trace import boxed_eager_compiler
@@ -90,6 +90,8 @@ class RematBackend:
         self.options = dict(options)
         self.sync_ranks = sync_ranks
         self.steps: list[PlannedStep] = []
+        self.measured: Any = None
+        """The last `measure(...)` (a `remat.measure.MemoryMeasurement`), or None."""
         self.cache_hits = 0
         """Graphs whose compiled code came from torch's caches (remat was not called)."""
 
@@ -153,8 +155,23 @@ class RematBackend:
         head = (f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
                 "each planned on its own" if len(self.steps) > 1 else "")
         compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
+        if self.measured is not None:
+            predicted = sum(step.evaluation.peak_bytes for step in self.steps)
+            compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
+                         f"predicted {format_bytes(predicted)}"
+                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
         return "\n\n".join([line for line in (head, compiled) if line]
                            + [summary(step) for step in self.steps])
+
+    def measure(self, step: Callable[[], Any], *, register: Sequence[Any] = ()) -> Any:
+        """Run `step` (one compiled forward+backward) under the profiler's allocation
+        events, the instrument that sees what inductor runs, and keep the peak for the
+        summary (predicted vs measured). `register`: what is live before the step (the
+        model, its inputs); clear gradients first, the profiler cannot see older frees."""
+        from remat.measure import measure_step_profiler
+
+        self.measured = measure_step_profiler(step, register=register)
+        return self.measured
 
 
 def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematBackend:
@@ -206,10 +223,15 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
-    from torch._functorch.aot_autograd import aot_module_simplified
+    # Through dynamo's `aot_autograd` wrapper, not `aot_module_simplified` directly: the
+    # wrapper's counter is how DDPOptimizer knows a piece went through AOTAutograd and
+    # records its metadata per bucket (without it, the lazily compiled backward asserts
+    # "expected same # of fw and bw compiles, but found bucket -1").
+    from torch._dynamo.backends.common import aot_autograd
 
-    return aot_module_simplified(gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
-                                 bw_compiler=boxed_eager_compiler, partition_fn=partitioner)
+    compiler = aot_autograd(fw_compiler=boxed_eager_compiler, bw_compiler=boxed_eager_compiler,
+                            partition_fn=partitioner)
+    return compiler(gm, list(example_inputs))
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],

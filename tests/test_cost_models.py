@@ -1,0 +1,42 @@
+"""The cost models: "eager" (every op its own kernel, roofline) and "compiled" (inductor
+fuses pointwise ops into their consumers: recomputing one costs only the bytes it reads
+from memory)."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remat.errors import RematError
+from remat.frontend import costs
+
+SPEED = costs.DeviceSpeed(peak_flops_per_s=1e12, bandwidth_bytes_per_s=1e10)
+
+
+def _graph():
+    def f(x, w):
+        h = torch.mm(x, w)       # matmul: same cost in both models
+        a = torch.tanh(h)        # pointwise, reads the matmul's output from memory
+        return torch.mul(a, 2.0)  # pointwise, reads a fused value (in registers)
+
+    return make_fx(f)(torch.randn(64, 32), torch.randn(32, 16))
+
+
+def _node(gm, target):
+    return next(n for n in gm.graph.nodes if n.target is target)
+
+
+def test_compiled_model_charges_pointwise_ops_their_memory_reads_only():
+    gm = _graph()
+    aten = torch.ops.aten
+    mm, tanh, mul = _node(gm, aten.mm.default), _node(gm, aten.tanh.default), _node(gm, aten.mul.Tensor)
+    eager, compiled = costs.cost_function("eager", SPEED), costs.cost_function("compiled", SPEED)
+    assert compiled(mm) == eager(mm) > 0
+    out_bytes = 64 * 16 * 4
+    assert eager(tanh) == pytest.approx(2 * out_bytes / SPEED.bandwidth_bytes_per_s)  # read + write
+    assert compiled(tanh) == pytest.approx(out_bytes / SPEED.bandwidth_bytes_per_s)  # read h only
+    assert compiled(mul) == 0.0  # its input is a fused pointwise value
+
+
+def test_unknown_cost_model_is_refused_with_the_valid_ones():
+    with pytest.raises(RematError, match="valid cost models: \\['eager', 'compiled'\\]"):
+        costs.cost_function("fast", SPEED)

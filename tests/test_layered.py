@@ -1,0 +1,113 @@
+"""`layers`: the layer structure as data, and the layered DP against an exhaustive oracle
+over its own plan space (values shared between layers kept), on small stacks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from solvers import Decision, Phase, Problem, Status, UnsupportedProblem, solve
+from solvers import builders
+from solvers.brute import valid_plans
+from solvers.builders import FwdOp, joint_from_forward
+from solvers.layered import kept_values
+from solvers.structure import OUTSIDE, LayerStructure
+from test_solver_invariants import check_plan
+
+
+def stack(n_layers: int, seed: int, *, mask_bytes: int = 8) -> Problem:
+    """x -> mask (built once, read by every layer); per layer: a = f(h, w, mask),
+    b = g(a), h = h + b; loss. Sizes and costs drawn from `seed`."""
+    rng = random.Random(seed)
+    ops = [FwdOp(name="x", out_bytes=64, phase=Phase.INPUT)]
+    ops += [FwdOp(name=f"w_{k}", out_bytes=16, phase=Phase.PARAM) for k in range(n_layers)]
+    ops.append(FwdOp(name="mask", out_bytes=mask_bytes, inputs=(0,), compute_s=1.0, differentiable=False))
+    mask, h = len(ops) - 1, 0
+    for k in range(n_layers):
+        size = rng.choice((32, 64, 96))
+        ops.append(FwdOp(name=f"a_{k}", out_bytes=size, inputs=(h, 1 + k, mask), compute_s=rng.choice((1.0, 3.0)),
+                         grad_reads=(h, 1 + k, mask)))
+        a = len(ops) - 1
+        ops.append(FwdOp(name=f"b_{k}", out_bytes=64, inputs=(a,), compute_s=rng.choice((0.5, 2.0)),
+                         grad_reads=(a,)))
+        ops.append(FwdOp(name=f"h_{k}", out_bytes=64, inputs=(h, len(ops) - 1), compute_s=0.25,
+                         grad_alias=True))
+        h = len(ops) - 1
+    ops.append(FwdOp(name="loss", out_bytes=4, inputs=(h,), compute_s=0.5, grad_reads=(h,)))
+    problem = joint_from_forward(ops)
+    return _with_layers(problem, n_layers)
+
+
+def _with_layers(problem: Problem, n_layers: int) -> Problem:
+    """Layer k: the forward nodes whose name ends in _k."""
+    suffixes = {f"_{k}": k for k in range(n_layers)}
+    layer_of = []
+    for node in problem.nodes:
+        k = next((v for s, v in suffixes.items() if node.name.endswith(s)), OUTSIDE)
+        layer_of.append(k if node.phase is Phase.FORWARD else OUTSIDE)
+    names = tuple(f"h.{k}" for k in range(n_layers))
+    return Problem(nodes=problem.nodes, outputs=problem.outputs, budget_bytes=problem.budget_bytes,
+                   layers=LayerStructure(layer_of=tuple(layer_of), names=names))
+
+
+def _oracle(problem: Problem) -> float | None:
+    """Cheapest fitting plan of the layered plan space (kept values SAVE), by enumeration."""
+    kept = kept_values(problem)
+    costs = [ev.cost_s for d, ev in valid_plans(problem)
+             if ev.fits and all(d[v] is Decision.SAVE for v in kept)]
+    return min(costs, default=None)
+
+
+def test_structure_names_the_shared_values():
+    problem = stack(3, seed=0)
+    names = {problem.nodes[v].name for v in problem.layers.shared_values(problem)}
+    assert names == {"mask"}  # the residual stream h_k is read by its own and the next layer only
+    assert problem.layers.segments() == tuple(
+        (problem.nodes.index(next(n for n in problem.nodes if n.name == f"a_{k}")),
+         problem.nodes.index(next(n for n in problem.nodes if n.name == f"h_{k}"))) for k in range(3))
+
+
+def test_structure_is_validated():
+    with pytest.raises(ValueError, match="contiguous"):
+        LayerStructure(layer_of=(0, 1, 0), names=("h.0", "h.1"))
+    with pytest.raises(ValueError, match="in -1..1"):
+        LayerStructure(layer_of=(0, 2), names=("h.0", "h.1"))
+    problem = stack(2, seed=0)
+    with pytest.raises(ValueError, match="entries for"):
+        Problem(nodes=problem.nodes, outputs=problem.outputs, budget_bytes=1,
+                layers=LayerStructure(layer_of=(0, 1), names=("h.0", "h.1")))
+
+
+def test_without_structure_layers_declines():
+    with pytest.raises(UnsupportedProblem, match="layer structure"):
+        solve(builders.transformer(2, seq=32, d_model=32, n_heads=2, vocab=64), "layers")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fraction", (1.0, 0.9, 0.85, 0.8))
+def test_layers_agrees_with_enumeration_of_its_plan_space(seed, fraction):
+    problem = builders.with_budget_fraction(stack(3, seed=seed), fraction)
+    plan = solve(problem, "layers")
+    check_plan(problem, plan, "layers")
+    best = _oracle(problem)
+    if best is None:
+        assert plan.status is Status.INFEASIBLE
+        return
+    assert plan.status is not Status.INFEASIBLE
+    assert plan.lower_bound_s is not None and plan.lower_bound_s <= best + 1e-9
+    assert plan.objective_s >= best - 1e-9  # the plan lies in the space
+    if plan.status is Status.OPTIMAL:
+        assert plan.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_a_large_shared_value_costs_a_gap_not_a_wrong_bound():
+    """A kept mask as large as a layer's activations: the bound allows for the bytes the
+    reduced model holds it longer, and stays below every fitting plan of the space."""
+    for seed in range(4):
+        problem = builders.with_budget_fraction(stack(3, seed=seed, mask_bytes=64), 0.9)
+        plan = solve(problem, "layers")
+        check_plan(problem, plan, "layers")
+        best = _oracle(problem)
+        if best is not None:
+            assert plan.lower_bound_s <= best + 1e-9 <= plan.objective_s + 2e-9

@@ -1,0 +1,94 @@
+"""Repeated layers found in traced joint graphs (nn_module_stack), and `layers` plans of
+zoo models trained end to end: gradients equal eager's bit for bit, the measured peak
+stays under the budget."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; never download
+
+import pytest
+import torch
+
+import remat
+from remat import zoo
+from remat.measure import measure_step
+from solvers import Decision, Phase, Status
+from solvers.structure import OUTSIDE
+
+
+def _planned(name: str, budget: str, solver: str) -> tuple[zoo.ModelCase, remat.Planned]:
+    case = zoo.build(name)
+    return case, remat.plan(case.model, case.args, case.kwargs, budget=budget, solver=solver)
+
+
+@pytest.mark.parametrize("name,prefix,shared", [
+    ("gpt2", "transformer.h.", True),  # the causal mask, built once, read by every layer
+    ("llama", "model.layers.", True),  # the mask and the rotary cos/sin tables
+    ("cnn", "blocks.", False),
+])
+def test_layers_are_found_from_the_module_stack(name, prefix, shared):
+    case, planned = _planned(name, "100%", "none")
+    layers = planned.problem.layers
+    assert layers is not None
+    assert layers.names == tuple(f"{prefix}{k}" for k in range(len(case.blocks)))
+    problem = planned.problem
+    for i, k in enumerate(layers.layer_of):  # only forward nodes carry a layer
+        assert k == OUTSIDE or problem.nodes[i].phase is Phase.FORWARD
+    segments = layers.segments()
+    assert len(segments) == len(case.blocks)
+    assert all(a[1] < b[0] for a, b in zip(segments, segments[1:]))
+    assert bool(layers.shared_values(problem)) is shared
+
+
+def _grads_and_peak(model, case: zoo.ModelCase) -> tuple[dict[str, torch.Tensor], int]:
+    for p in case.model.parameters():
+        p.grad = None
+
+    def step():
+        torch.manual_seed(0)
+        out = model(*case.args, **case.kwargs)
+        out.loss.backward()
+        return out
+
+    peak = measure_step(step, register=(case.model, *case.args, *case.kwargs.values())).peak_bytes
+    return {n: p.grad.clone() for n, p in case.model.named_parameters()}, peak
+
+
+def test_layers_plan_trains_like_eager_under_its_budget():
+    case, planned = _planned("cnn", "75%", "layers")
+    plan = planned.plan
+    assert plan.solver == "layers" and plan.status is Status.OPTIMAL
+    assert plan.lower_bound_s == plan.objective_s
+    assert plan.count(Decision.RECOMPUTE) > 0
+    planned_grads, peak = _grads_and_peak(planned, case)
+    eager_grads, _ = _grads_and_peak(case.model, case)
+    for n, g in eager_grads.items():
+        assert torch.equal(planned_grads[n], g), n
+    assert peak <= planned.budget_bytes
+
+
+def test_auto_uses_layers_when_the_front_end_finds_them():
+    _, planned = _planned("cnn", "75%", "auto")
+    _, layered = _planned("cnn", "75%", "layers")
+    assert planned.plan.status is Status.OPTIMAL
+    assert planned.plan.decisions == layered.plan.decisions
+
+
+def test_fused_attention_without_dropout_is_recomputed_bit_for_bit():
+    """`_scaled_dot_product_flash_attention_for_cpu` is tagged nondeterministic_seeded for
+    its dropout; with dropout_p=0 (LLaMA) it draws nothing, so a plan may recompute it."""
+    from torch._export.utils import _compiling_state_context
+
+    case, planned = _planned("llama", "100%", "all")
+    gp = planned.step.graph_problem
+    attention = [i for i, names in enumerate(gp.fx_names)
+                 if any(n.startswith("_scaled_dot_product_flash_attention_for_cpu") and "backward" not in n
+                        for n in names)]
+    assert attention and set(attention) <= set(planned.step.evaluation.recomputed_ids)
+    planned_grads, peak = _grads_and_peak(planned, case)
+    with _compiling_state_context():  # the code path remat traced (explicit causal mask)
+        eager_grads, _ = _grads_and_peak(case.model, case)
+    for n, g in eager_grads.items():
+        assert torch.equal(planned_grads[n], g), n
