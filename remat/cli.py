@@ -151,7 +151,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     stages = Stages(quiet=opts.quiet)
     with stages.stage("building the model"):
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
-    with stages.stage("tracing, solving, rewriting"):
+    with stages.planning(opts.verbose):
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
                              solver=opts.solver, device_speed=speed)
     with stages.stage("Pareto sweep") as advance:
