@@ -17,12 +17,13 @@ from torch import nn
 
 from remat import distributed
 from remat.budget import check_budget_syntax
-from remat.errors import RematError, UnknownSolverError
+from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
 from remat.frontend.costs import DeviceSpeed
 from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
+from remat.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from solvers import SOLVERS, Plan
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class Planned(nn.Module):
         self.__dict__["_remat_model"] = model
         self.__dict__["_remat_cache"] = {}
         self.__dict__["_remat_device_speed"] = device_speed
+        self.__dict__["_remat_refused"] = {}  # signature key -> InfeasibleBudgetError
+        self.__dict__["_remat_shapes"] = {}  # signature key -> ShapePlan
+        self.__dict__["_remat_runs"] = {}  # signature key -> forward calls
+        self.__dict__["_remat_last"] = None  # signature key of the last forward call
         self.budget = budget
         self.solver = solver
         self.options = dict(options)
@@ -62,15 +67,60 @@ class Planned(nn.Module):
         self.training = mode
         return self
 
-    def prepare(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[PlannedStep, Any, FlatModel]:
-        """Plan (or fetch the cached plan) for these inputs' signature."""
+    def prepare(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+                ) -> tuple[PlannedStep, Any, FlatModel]:
+        """Plan (or fetch the cached plan) for these inputs' signature. A signature no
+        plan fits raises InfeasibleBudgetError here, before anything runs, and again on
+        every later call without planning again."""
+        kwargs = dict(kwargs or {})
         signature = FlatSignature.of(args, kwargs, self.model.training)
         cache = self.__dict__["_remat_cache"]
+        refused = self.__dict__["_remat_refused"]
+        if signature.key in refused:
+            raise refused[signature.key]
         if signature.key not in cache:
             if cache:
                 log.info("remat: new input signature %s; re-planning under the same budget", signature.key[2])
-            cache[signature.key] = self._compile(signature, args, kwargs)
+            label, started = label_of(args, kwargs), time.perf_counter()
+            try:
+                cache[signature.key] = self._compile(signature, args, kwargs)
+            except InfeasibleBudgetError as e:
+                refused[signature.key] = e
+                self.__dict__["_remat_shapes"][signature.key] = refused_shape(
+                    label, e, time.perf_counter() - started)
+                raise
+            self.__dict__["_remat_shapes"][signature.key] = planned_shape(
+                label, cache[signature.key][0], time.perf_counter() - started)
         return cache[signature.key]
+
+    def prepare_lengths(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *,
+                        lengths: Sequence[int], dim: int = 1) -> dict[int, ShapePlan]:
+        """Plan ahead for each sequence length in `lengths` (so no step stalls to plan):
+        the example inputs are resized along `dim` (see `shapes.with_length`). Returns
+        what was planned per length; raises InfeasibleBudgetError for the first length
+        no plan fits, after planning the others."""
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        kwargs = dict(kwargs or {})
+        out: dict[int, ShapePlan] = {}
+        first_error: InfeasibleBudgetError | None = None
+        for length in lengths:
+            a, k = with_length(args, kwargs, length, dim=dim)
+            key = FlatSignature.of(a, k, self.model.training).key
+            try:
+                with torch.enable_grad():
+                    self.prepare(a, k)
+            except InfeasibleBudgetError as e:
+                first_error = first_error or e
+            out[length] = self.__dict__["_remat_shapes"][key]
+        if first_error is not None:
+            raise first_error
+        return out
+
+    @property
+    def shapes(self) -> tuple[ShapePlan, ...]:
+        """What was planned (or refused) per input signature, in planning order."""
+        return tuple(self.__dict__["_remat_shapes"].values())
 
     def _compile(self, signature: FlatSignature, args: Sequence[Any], kwargs: dict[str, Any]):
         started = time.perf_counter()
@@ -121,6 +171,9 @@ class Planned(nn.Module):
             return self.model(*args, **kwargs)  # nothing to rematerialize without backward
         signature = FlatSignature.of(args, kwargs, self.model.training)
         _, compiled, flat = self.prepare(args, kwargs)
+        runs = self.__dict__["_remat_runs"]
+        runs[signature.key] = runs.get(signature.key, 0) + 1
+        self.__dict__["_remat_last"] = signature.key
         outs = compiled(*signature.tensors(args, kwargs))
         return flat.unflatten(outs)
 
@@ -159,7 +212,10 @@ class Planned(nn.Module):
         return self.step.budget_bytes
 
     def summary(self) -> str:
-        return summary(self.step)
+        d = self.__dict__
+        per_shape = [(plan, d["_remat_runs"].get(key, 0), key == d["_remat_last"])
+                     for key, plan in d["_remat_shapes"].items()]
+        return "\n".join([summary(self.step), *shapes_summary(per_shape)])
 
 
 def plan(

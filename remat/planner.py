@@ -5,6 +5,7 @@ it into forward and backward modules. AOTAutograd calls `Partitioner` as its
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -21,6 +22,10 @@ from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+
+log = logging.getLogger(__name__)
+STAGE = "remat_stage"
+"""`extra` key of the debug records marking each stage (the CLI's progress bar reads it)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +92,7 @@ class Partitioner:
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
+        log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
         cost_s = costs.cost_function(self.cost_model, speed)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
@@ -100,6 +106,8 @@ class Partitioner:
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
+        log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
+                  extra={STAGE: "solve"})
         plan = solve_with_floor(gp.problem, self.solver, self.options)
         refusal = None
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
@@ -114,6 +122,7 @@ class Partitioner:
         if plan.status is Status.INFEASIBLE:
             raise refusal or _infeasible(gp, plan, budget_bytes, baseline, self.offload)
         t_solved = time.perf_counter()
+        log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
         t_done = time.perf_counter()

@@ -5,6 +5,7 @@ stderr is a terminal; `quiet=True` turns it off."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -12,13 +13,17 @@ from collections.abc import Callable, Iterator
 
 
 class Stages:
-    """`with stages.stage("trace + solve"): ...`; `stage` yields an `advance(done, total)`."""
+    """`with stages.stage("trace + solve"): ...`; `stage` yields an `advance(done, total)`.
+    `with stages.planning(verbose)` follows the planner's own stages (trace, profile,
+    solve, rewrite) from its debug records."""
 
     def __init__(self, *, quiet: bool = False, delay_s: float = 2.0) -> None:
         self.delay_s = delay_s
         self.enabled = not quiet and sys.stderr.isatty() and _has_rich()
         self.log: list[tuple[str, float]] = []
         """(stage, seconds) for every finished stage."""
+        self.planner_stages: tuple[str, ...] = ()
+        """The planner stages the last `planning()` saw, in order."""
 
     @contextlib.contextmanager
     def stage(self, description: str) -> Iterator[Callable[[int, int], None]]:
@@ -30,6 +35,37 @@ class Stages:
             if display:
                 display.close()
             self.log.append((description, time.perf_counter() - started))
+
+
+    @contextlib.contextmanager
+    def planning(self, verbose: bool = False) -> Iterator[None]:
+        """A stage for `remat.plan` whose description follows the planner: a filter on
+        the `remat.planner` logger reads each record's stage (and drops the record
+        unless `verbose`, so nothing else prints)."""
+        from remat.planner import STAGE, log
+
+        with self.stage("tracing") as advance:
+            display = getattr(advance, "__self__", None)
+            seen: list[str] = []
+
+            def on_record(record: logging.LogRecord) -> bool:
+                stage = getattr(record, STAGE, None)
+                if stage is None:
+                    return True
+                seen.append(stage)
+                if display is not None:
+                    display.describe(record.getMessage().removeprefix("remat: "))
+                return verbose
+
+            level = log.level
+            log.addFilter(on_record)
+            log.setLevel(logging.DEBUG)
+            try:
+                yield
+            finally:
+                log.removeFilter(on_record)
+                log.setLevel(level)
+                self.planner_stages = tuple(seen)
 
 
 def _has_rich() -> bool:
@@ -62,6 +98,9 @@ class _Delayed:
             if not self.closed:
                 self.progress.start()
                 self.started = True
+
+    def describe(self, text: str) -> None:
+        self.progress.update(self.task, description=f"remat: {text}")
 
     def advance(self, done: int, total: int) -> None:
         self.progress.update(self.task, completed=done, total=total)

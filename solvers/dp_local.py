@@ -86,8 +86,8 @@ class BlockEvaluator:
         self.local_roots = set(block.values)
         root = problem.storage_of
         self.fwd_local = [root[i] in self.local_roots for i in block.forward_steps]
-        bw = problem.offload_bandwidth_bytes_per_s
-        self.transfer_s = {v: (self.nodes[v].out_bytes / bw if bw else 0.0) for v in block.values}
+        self.store_s = {v: problem.store_s(v) for v in block.values}
+        self.reload_s = {v: problem.reload_s(v) for v in block.values}
 
     def evaluate(self, config: tuple[Decision, ...], mode_prev: Decision | None, delta: bool) -> Local:
         """Raises InvalidLocal for a configuration simulate would reject."""
@@ -110,7 +110,7 @@ class _Run:
         self.on_device = {v for v, d in dec.items() if d is Decision.SAVE} | ev.fixed
         if self.prev is not None and mode_prev is Decision.SAVE:
             self.on_device.add(self.prev)
-        self.cost_s = sum(ev.transfer_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)
+        self.cost_s = sum(ev.store_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)
         self.touched = False
         self.mid = self.post = -1
         self.cascade = (0, 0)
@@ -160,7 +160,7 @@ class _Run:
             d = dec[i]
             if d is Decision.OFFLOAD:
                 steps.append((REL, i, static))
-                self.cost_s += self.ev.transfer_s[i]
+                self.cost_s += self.ev.reload_s[i]
                 on_device.add(i)
                 continue
             if not nodes[i].recomputable:

@@ -62,7 +62,7 @@ class CanonicalModel:
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
         bw = problem.offload_bandwidth_bytes_per_s
         if bw:
-            costs += [problem.nodes[v].out_bytes / bw for v in self.data.decision]
+            costs += [problem.transfer_s(v) for v in self.data.decision]
         self.scale = _scale(costs)
         self._decisions()
         self._demand()
@@ -414,10 +414,8 @@ class CanonicalModel:
     def _objective(self) -> None:
         p, s = self.problem, self.scale
         terms = [(round(p.nodes[v].compute_s * s), self.rec[v]) for v in self.data.decision]
-        bw = p.offload_bandwidth_bytes_per_s
-        for v, off in self.off.items():
-            move = round(p.nodes[v].out_bytes / bw * s)
-            terms += [(move, off), (move, self.reload[v])]
+        for v, off in self.off.items():  # the exposed part of each copy (Problem.store_s)
+            terms += [(round(p.store_s(v) * s), off), (round(p.reload_s(v) * s), self.reload[v])]
         self.model.minimize(sum(c * x for c, x in terms if c))
 
     # ---- use ----

@@ -195,6 +195,42 @@ class Problem:
             out.append(Decision.OFFLOAD)
         return tuple(out)
 
+    # ---- offload timing: one constant per value, so exact solvers stay exact ----
+
+    def transfer_s(self, i: int) -> float:
+        """Seconds to move value i one way over the device<->host link (0 without one)."""
+        bw = self.offload_bandwidth_bytes_per_s
+        return self.nodes[i].out_bytes / bw if bw else 0.0
+
+    def store_s(self, i: int) -> float:
+        """Exposed seconds of storing value i: the device->host copy starts after its
+        last forward use on a side stream and overlaps the forward compute after that
+        (`store_overlap_s`); only the rest shows. Link contention between stores is not
+        modelled (each store is priced as if the link were free)."""
+        return max(0.0, self.transfer_s(i) - self.store_overlap_s[i])
+
+    def reload_s(self, i: int) -> float:
+        """Exposed seconds of reloading value i: the reload is issued just before its
+        first backward reader (no prefetch, so no extra memory), which waits for it."""
+        return self.transfer_s(i)
+
+    @functools.cached_property
+    def store_overlap_s(self) -> tuple[float, ...]:
+        """Per node: compute seconds of the forward nodes after its last forward use."""
+        nodes = self.nodes
+        after = [0.0] * (len(nodes) + 1)  # after[k]: forward compute of ids > k
+        for k in range(len(nodes) - 1, -1, -1):
+            later = nodes[k + 1].compute_s if k + 1 < len(nodes) and nodes[k + 1].phase is Phase.FORWARD else 0.0
+            after[k] = after[k + 1] + later
+        out = []
+        for i, node in enumerate(nodes):
+            if node.phase is not Phase.FORWARD:
+                out.append(0.0)
+                continue
+            last = max((u for u in self.users[i] if nodes[u].phase is Phase.FORWARD), default=i)
+            out.append(after[last])
+        return tuple(out)
+
     def with_budget(self, budget_bytes: int) -> Problem:
         return dataclasses.replace(self, budget_bytes=int(budget_bytes))
 
@@ -265,13 +301,21 @@ class Evaluation:
     recompute_s: float
     offload_bytes: int
     offload_s: float
-    """Transfer seconds (out and back), counted in full: no overlap is assumed."""
+    """Exposed transfer seconds: each store's copy minus the forward compute it overlaps
+    (`Problem.store_s`), plus each reload in full (`Problem.reload_s`)."""
     steps: tuple[Step, ...]
     timeline: tuple[int, ...]
     """Live device bytes while each step runs (its inputs and its output allocated)."""
     fits: bool
     recomputed_ids: tuple[int, ...]
     """Forward ids recomputed at least once, ascending."""
+    transfer_s: float = 0.0
+    """Transfer seconds out and back, in full (hidden or not)."""
+
+    @property
+    def hidden_transfer_s(self) -> float:
+        """The part of the transfer that overlaps compute (`transfer_s - offload_s`)."""
+        return max(0.0, self.transfer_s - self.offload_s)
 
     @property
     def cost_s(self) -> float:

@@ -13,8 +13,9 @@ Canonical schedule (used when a plan has no explicit one):
      the step that makes it. An alias keeps its base's storage alive; bytes are counted
      once per storage.
   5. SAVE values keep their forward instance for backward; RECOMPUTE and OFFLOAD values
-     lose it after their last forward use (OFFLOAD moves it to host memory, which costs
-     `out_bytes / bandwidth` each way; no overlap with compute is assumed).
+     lose it after their last forward use (OFFLOAD moves it to host memory: the copy out
+     overlaps the forward compute after that use and costs only what sticks out,
+     `Problem.store_s`; the copy back is waited for in full, `Problem.reload_s`).
 
 An explicit schedule (Plan.schedule) replaces step 3: backward ids once each in any
 order their inputs allow, forward ids wherever they are recomputed (RECOMPUTE) or
@@ -192,6 +193,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
 
     offload_bytes = 0
     transfer_bytes = 0
+    offload_s = 0.0
     recompute_s = 0.0
     recomputed: set[int] = set()
     for k, step in enumerate(steps):
@@ -199,6 +201,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         node = nodes[i]
         if step.kind is StepKind.RELOAD:
             transfer_bytes += node.out_bytes
+            offload_s += problem.reload_s(i)
         else:
             for j in node.inputs:
                 inst = newest[j]
@@ -218,6 +221,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         newest[i] = inst
         if step.kind is StepKind.FORWARD and decisions.get(i) is Decision.OFFLOAD:
             offload_bytes += node.out_bytes
+            offload_s += problem.store_s(i)
     transfer_bytes += offload_bytes
     for i in problem.outputs:
         inst_end[newest[i]] = forever
@@ -243,7 +247,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         live -= free_after[k]
 
     bw = problem.offload_bandwidth_bytes_per_s
-    offload_s = transfer_bytes / bw if bw else 0.0
+    transfer_s = transfer_bytes / bw if bw else 0.0
     return Evaluation(
         peak_bytes=peak,
         peak_step=peak_step,
@@ -254,4 +258,5 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         timeline=tuple(timeline),
         fits=peak <= problem.budget_bytes,
         recomputed_ids=tuple(sorted(recomputed)),
+        transfer_s=transfer_s,
     )

@@ -122,14 +122,16 @@ def test_pareto_is_monotone_from_the_no_remat_peak_down_to_the_floor(report_dir)
     assert budgets[0] == data["min_peak_bytes"] and budgets[-1] == data["baseline_peak_bytes"]
     assert pareto[-1]["extra_compute_s"] == 0.0
     for a, b in zip(pareto, pareto[1:]):
-        assert b["extra_compute_s"] <= a["extra_compute_s"]
+        assert b["extra_time_s"] <= a["extra_time_s"]
+    for p in pareto:  # no offload on CPU by default: extra time is recompute time
+        assert p["offload_s"] == 0.0 and p["extra_time_s"] == p["extra_compute_s"]
     for p in pareto:
         assert p["predicted_peak_bytes"] <= p["budget_bytes"]
     assert data["min_peak_bytes"] <= data["predicted_peak_bytes"]
     # the reported plan is on or above the front: no point that affords it costs more
     for p in pareto:
         if p["budget_bytes"] >= data["predicted_peak_bytes"]:
-            assert p["extra_compute_s"] <= data["extra_compute_s"]
+            assert p["extra_time_s"] <= data["extra_compute_s"] + data["offload_s"]
 
 
 def test_breakdown_counts_state_by_formula_and_activations_sum_to_the_peak(report_dir, user_file):
@@ -176,12 +178,14 @@ def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path):
     (["{dir}/mymodel.py:buidl"], "defines no 'buidl'"),
     (["{dir}/mymodel.py:NOT_A_FUNCTION"], "not a function"),
     (["{dir}/mymodel.py:wrong"], "return (model, args) or (model, args, kwargs)"),
+    (["{dir}/broken.py:build"], "raised NameError: name 'undefined_name' is not defined"),
     (["{dir}/mymodel.py:build", "--set", "batch_size"], "is not name=value"),
     (["{dir}/mymodel.py:build", "--set", "batch=8"], "takes no argument 'batch'"),
     (["{dir}/mymodel.py:build", "--budget", "lots"], "cannot parse budget"),
     (["{dir}/mymodel.py:build", "--budget", "1KB"], "below the smallest reachable peak"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(user_file, tmp_path, capsys, argv_tail, needle):
+    (user_file.parent / "broken.py").write_text("import torch\nundefined_name\n")
     tail = [a.format(dir=user_file.parent) for a in argv_tail]
     argv = ["report", *tail[:1], "--out", str(tmp_path), "--quiet", *tail[1:]]
     if "--budget" not in argv:

@@ -98,3 +98,28 @@ def test_progress_appears_only_after_the_delay_and_never_when_quiet():
         pass
     assert not advance.__self__.started  # closed before the delay: never drawn
     assert [name for name, _ in stages.log] == ["slow", "quick"] and stages.log[0][1] >= 0.3
+
+
+def test_the_progress_follows_the_planners_stages_quietly(capsys):
+    import torch
+
+    import remat
+    from remat.progress import Stages
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    loss_model = _ScalarLoss(model)
+    stages = Stages(delay_s=0.0)
+    stages.enabled = True
+    with stages.planning(verbose=False):
+        remat.plan(loss_model, (torch.randn(4, 8),), budget="100%", solver="none")
+    assert stages.planner_stages == ("profile", "solve", "rewrite")
+    assert "solving" not in capsys.readouterr().err  # the records fed the bar, not the log
+
+
+class _ScalarLoss(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x).square().mean()

@@ -172,12 +172,15 @@ def test_offload_lowers_peak_with_exact_transfer():
     # Bandwidth 100 B/s. a OFFLOAD, b and c SAVE: a leaves the device after Fb (its last
     # forward use) and is reloaded just before Bga: the same timeline as recomputing it:
     # 110 210 210 214 218 318 314 214(reload) 314; peak 318 (all-SAVE: 418).
-    # offload_bytes = 100; transfer 100 out + 100 back at 100 B/s = 2.0 s; no recompute.
+    # offload_bytes = 100; transfer 100 out + 100 back at 100 B/s = 2.0 s. The copy out
+    # starts after Fb and overlaps Fc + Fd (12 s of compute): hidden; the reload is
+    # waited for: 1.0 s exposed. No recompute.
     ev = evaluate(_chain(bandwidth=100.0), _plan(O, S, S))
     assert ev.timeline == (110, 210, 210, 214, 218, 318, 314, 214, 314)
     assert ev.peak_bytes == 318
-    assert ev.offload_bytes == 100 and ev.offload_s == 2.0 and ev.recompute_s == 0.0
-    assert ev.cost_s == 2.0
+    assert ev.offload_bytes == 100 and ev.transfer_s == 2.0 and ev.recompute_s == 0.0
+    assert ev.offload_s == 1.0 and ev.hidden_transfer_s == 1.0
+    assert ev.cost_s == 1.0
     assert ev.steps[7] == ev.steps[7].__class__(1, StepKind.RELOAD)
 
 
@@ -185,10 +188,22 @@ def test_offload_then_recompute_from_reloaded():
     # a OFFLOAD, b RECOMPUTE, c SAVE: Fa 110; Fb 210 (a offloaded -> 110); Fc 210 (b
     # freed -> 110); Fd 114; Bt 118; Bgc 218 -> c,t free -> 114; before gb: reload a
     # (214), recompute b (314); Bgb 414 -> b,gc free -> 214; Bga 314 -> 114.
-    # Peak 414; cost = b 2.0 + transfer 200 B / 100 B/s = 4.0.
+    # Peak 414; cost = b 2.0 + the reload 100 B / 100 B/s = 3.0 (the copy out is hidden).
     ev = evaluate(_chain(bandwidth=100.0), _plan(O, R, S))
     assert ev.timeline == (110, 210, 210, 114, 118, 218, 214, 314, 414, 314)
-    assert ev.peak_bytes == 414 and ev.cost_s == 4.0
+    assert ev.peak_bytes == 414 and ev.cost_s == 3.0
+
+
+def test_offload_store_is_exposed_beyond_the_forward_compute_it_overlaps():
+    # Bandwidth 10 B/s: 10 s per copy. b's copy out starts after Fc (its last forward
+    # use) and overlaps Fd only (8 s): 2 s stick out; its reload shows in full (10 s).
+    # c's copy out starts after Fd, the last forward node: nothing hides it.
+    p = _chain(bandwidth=10.0)
+    assert p.store_overlap_s[1:4] == (12.0, 8.0, 0.0)
+    ev = evaluate(p, _plan(S, O, S))
+    assert (ev.transfer_s, ev.offload_s, ev.hidden_transfer_s) == (20.0, 12.0, 8.0)
+    ev = evaluate(p, _plan(S, S, O))
+    assert (ev.transfer_s, ev.offload_s, ev.hidden_transfer_s) == (20.0, 20.0, 0.0)
 
 
 # ---- explicit schedules ----

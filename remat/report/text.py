@@ -32,6 +32,12 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
         lines.append(f"  peak at:         step {ev.peak_step} ({s.kind.value} {nodes[s.node_id].name}, {where})")
     flops_note = f"{ev.recompute_s * 1e3:.3f} ms estimated"
     lines.append(f"  recompute:       {len(ev.recomputed_ids)} values, {flops_note}")
+    if ev.offload_bytes:
+        lines.append(
+            f"  offload:         {plan.count(Decision.OFFLOAD)} values, {format_bytes(ev.offload_bytes)} "
+            f"each way, transfer {ev.transfer_s * 1e3:.3f} ms ({ev.hidden_transfer_s * 1e3:.3f} ms "
+            f"hidden behind compute, {ev.offload_s * 1e3:.3f} ms exposed)"
+        )
     lines.append(
         f"  decisions:       {plan.count(Decision.SAVE)} saved, {plan.count(Decision.RECOMPUTE)} "
         f"recomputed-or-dropped, {plan.count(Decision.OFFLOAD)} offloaded "
@@ -83,7 +89,8 @@ def render(report: "Report") -> str:
         f"  predicted peak:    {format_bytes(report.predicted_peak_bytes)}",
         f"  no-remat peak:     {format_bytes(report.baseline_peak_bytes)}",
         f"  smallest peak:     {format_bytes(report.min_peak_bytes)}",
-        f"  extra compute:     {report.extra_compute_s * 1e3:.3f} ms",
+        f"  extra compute:     {report.extra_compute_s * 1e3:.3f} ms"
+        + (f" (+ {report.offload_s * 1e3:.3f} ms offload transfers)" if report.offload_s else ""),
         f"  decisions:         {counts['save']} saved, {counts['recompute']} recomputed, "
         f"{counts['offload']} offloaded",
         f"  model state ({o.optimizer}, {o.precision}, shard {o.shard} ZeRO-{o.zero_stage}, adapter {o.adapter}):",
@@ -95,9 +102,9 @@ def render(report: "Report") -> str:
         f"  total per device:  {_mib(b.total_bytes)}",
     ]
     if report.pareto:
-        lines.append("  pareto (budget -> peak, extra compute):")
+        lines.append("  pareto (budget -> peak, extra time = recompute + offload):")
         lines += [f"    {_mib(p.budget_bytes):>14} -> {_mib(p.predicted_peak_bytes):>14}, "
-                  f"{p.extra_compute_s * 1e3:9.3f} ms" for p in report.pareto]
+                  f"{p.extra_time_s * 1e3:9.3f} ms" for p in report.pareto]
     return "\n".join(lines)
 
 

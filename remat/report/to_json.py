@@ -25,9 +25,10 @@ Schema (all byte counts are ints, all times float seconds):
     timeline              [{step, kind: forward|backward|recompute|reload, name, live_bytes}]
     decisions             [{name, bytes, decision: save|recompute|offload, module,
                             module_class, source: 'file:line', reason}]
-    pareto                [{budget_bytes, predicted_peak_bytes, extra_compute_s, solver,
-                            status}]  budgets ascending from min_peak_bytes to
-                           baseline_peak_bytes; extra_compute_s never increases
+    pareto                [{budget_bytes, predicted_peak_bytes, extra_compute_s, offload_s,
+                            extra_time_s, solver, status}]  budgets ascending from
+                           min_peak_bytes to baseline_peak_bytes; extra_time_s
+                           (= extra_compute_s + offload_s) never increases
 """
 
 from __future__ import annotations

@@ -229,10 +229,15 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
-    from torch._functorch.aot_autograd import aot_module_simplified
+    # Through dynamo's `aot_autograd` wrapper, not `aot_module_simplified` directly: the
+    # wrapper's counter is how DDPOptimizer knows a piece went through AOTAutograd and
+    # records its metadata per bucket (without it, the lazily compiled backward asserts
+    # "expected same # of fw and bw compiles, but found bucket -1").
+    from torch._dynamo.backends.common import aot_autograd
 
-    return aot_module_simplified(gm, list(example_inputs), fw_compiler=boxed_eager_compiler,
-                                 bw_compiler=boxed_eager_compiler, partition_fn=partitioner)
+    compiler = aot_autograd(fw_compiler=boxed_eager_compiler, bw_compiler=boxed_eager_compiler,
+                            partition_fn=partitioner)
+    return compiler(gm, list(example_inputs))
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
