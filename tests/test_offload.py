@@ -12,8 +12,10 @@ import torch
 import remat
 from remat import zoo
 from remat.errors import InfeasibleBudgetError, RematError
-from remat.frontend.offloading import OffloadError, resolve_bandwidth
+from remat.frontend.offloading import OffloadError, offload_device, resolve_bandwidth
 from remat.measure import LiveBytesTracker, measure_step
+from remat.report.data import build_report
+from remat.report.text import render
 from remat.runtime.offload import StoredLayout, reload, store
 from solvers import Decision
 
@@ -80,6 +82,16 @@ def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
     for key, value in eager.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
 
+    # reported: the summary and the report show the bytes, the transfer and its hidden part
+    ev = planned.step.evaluation
+    assert ev.transfer_s > 0 and 0 <= ev.hidden_transfer_s <= ev.transfer_s
+    assert ev.offload_s == pytest.approx(ev.transfer_s - ev.hidden_transfer_s)
+    assert "  offload:" in planned.summary() and "hidden behind compute" in planned.summary()
+    report = build_report(planned.step, model, pareto_points=0)
+    assert (report.offloaded_bytes, report.transfer_s, report.offload_s) == (
+        ev.offload_bytes, ev.transfer_s, ev.offload_s)
+    assert "hidden behind compute" in render(report)
+
 
 def test_infeasible_without_offload_names_the_offload_floor():
     case = zoo.build("cnn", size="tiny")
@@ -106,6 +118,11 @@ def test_offload_default_is_off_on_cpu_and_a_device_without_host_link_is_refused
     assert resolve_bandwidth(True, torch.device("cpu")) > 0
     with pytest.raises(OffloadError, match="cannot offload from device meta"):
         resolve_bandwidth(True, torch.device("meta"))
+    mixed = [torch.zeros(1), torch.zeros(1, device="meta")]
+    with pytest.raises(OffloadError, match="one device"):
+        offload_device(mixed, True)
+    assert offload_device(mixed, "auto") is None  # auto: off, not an error
+    assert resolve_bandwidth("auto", None) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
