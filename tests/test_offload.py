@@ -29,13 +29,17 @@ def one_thread():
 
 
 def _floor(case: zoo.ModelCase) -> InfeasibleBudgetError:
-    """The recompute-only floor, as remat states it (offload off: the CPU default)."""
+    """The recompute-only floor, as remat states it (offload off: the CPU default); a
+    short floor search (its deterministic work limit) keeps the test quick."""
     with pytest.raises(InfeasibleBudgetError) as info:
-        remat.plan(case.model, case.args, case.kwargs, budget=1, solver="chen-greedy")
+        remat.plan(case.model, case.args, case.kwargs, budget=1, solver="chen-greedy", time_limit_s=2)
     return info.value
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+# cnn: BatchNorm and dropout. mlp's floor search (ilp's smallest-peak loop) alone takes
+# 20-30 s here and vit's offload plan ~90 s, so they are measured in bench/offload.py;
+# tests/test_shapes.py measures another model that only offload fits.
+@pytest.mark.parametrize("name", ["cnn"])
 def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
     case = zoo.build(name, size="tiny")
     model = case.model
@@ -78,13 +82,13 @@ def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
 
 
 def test_infeasible_without_offload_names_the_offload_floor():
-    case = zoo.build("mlp", size="tiny")
+    case = zoo.build("cnn", size="tiny")
     err = _floor(case)
     assert "offload=True" in str(err)
     # the floor it names is reachable with offload on
     floor = int(str(err).split("would reach")[1].split("(")[1].split(" B)")[0])
     assert floor < err.min_peak_bytes
-    planned = remat.plan(case.model, case.args, case.kwargs, budget=floor, solver="ilp", offload=True)
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=floor, solver="auto", offload=True)
     assert planned.predicted_peak_bytes <= floor
 
 
