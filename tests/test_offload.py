@@ -14,6 +14,8 @@ from remat import zoo
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend.offloading import OffloadError, resolve_bandwidth
 from remat.measure import LiveBytesTracker, measure_step
+from remat.report.data import build_report
+from remat.report.text import render
 from remat.runtime.offload import StoredLayout, reload, store
 from solvers import Decision
 
@@ -79,6 +81,16 @@ def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
         opt_e.zero_grad(set_to_none=True), opt_p.zero_grad(set_to_none=True)
     for key, value in eager.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+    # reported: the summary and the report show the bytes, the transfer and its hidden part
+    ev = planned.step.evaluation
+    assert ev.transfer_s > 0 and 0 <= ev.hidden_transfer_s <= ev.transfer_s
+    assert ev.offload_s == pytest.approx(ev.transfer_s - ev.hidden_transfer_s)
+    assert "  offload:" in planned.summary() and "hidden behind compute" in planned.summary()
+    report = build_report(planned.step, model, pareto_points=0)
+    assert (report.offloaded_bytes, report.transfer_s, report.offload_s) == (
+        ev.offload_bytes, ev.transfer_s, ev.offload_s)
+    assert "hidden behind compute" in render(report)
 
 
 def test_infeasible_without_offload_names_the_offload_floor():

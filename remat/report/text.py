@@ -93,6 +93,9 @@ def render(report: "Report") -> str:
         + (f" (+ {report.offload_s * 1e3:.3f} ms offload transfers)" if report.offload_s else ""),
         f"  decisions:         {counts['save']} saved, {counts['recompute']} recomputed, "
         f"{counts['offload']} offloaded",
+        *([f"  offload:           {format_bytes(report.offloaded_bytes)} each way, transfer "
+           f"{report.transfer_s * 1e3:.3f} ms ({max(report.transfer_s - report.offload_s, 0.0) * 1e3:.3f} ms "
+           f"hidden behind compute, {report.offload_s * 1e3:.3f} ms exposed)"] if report.offloaded_bytes else []),
         f"  model state ({o.optimizer}, {o.precision}, shard {o.shard} ZeRO-{o.zero_stage}, adapter {o.adapter}):",
         f"    weights {_mib(b.weights_bytes)}, gradients {_mib(b.gradients_bytes)}, "
         f"master {_mib(b.master_bytes)}, optimizer {_mib(b.optimizer_bytes)}",
