@@ -12,7 +12,7 @@ import torch
 import remat
 from remat import zoo
 from remat.errors import InfeasibleBudgetError, RematError
-from remat.frontend.offloading import OffloadError, resolve_bandwidth
+from remat.frontend.offloading import OffloadError, offload_device, resolve_bandwidth
 from remat.measure import LiveBytesTracker, measure_step
 from remat.report.data import build_report
 from remat.report.text import render
@@ -118,6 +118,11 @@ def test_offload_default_is_off_on_cpu_and_a_device_without_host_link_is_refused
     assert resolve_bandwidth(True, torch.device("cpu")) > 0
     with pytest.raises(OffloadError, match="cannot offload from device meta"):
         resolve_bandwidth(True, torch.device("meta"))
+    mixed = [torch.zeros(1), torch.zeros(1, device="meta")]
+    with pytest.raises(OffloadError, match="one device"):
+        offload_device(mixed, True)
+    assert offload_device(mixed, "auto") is None  # auto: off, not an error
+    assert resolve_bandwidth("auto", None) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
