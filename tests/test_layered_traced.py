@@ -92,3 +92,17 @@ def test_fused_attention_without_dropout_is_recomputed_bit_for_bit():
         eager_grads, _ = _grads_and_peak(case.model, case)
     for n, g in eager_grads.items():
         assert torch.equal(planned_grads[n], g), n
+
+
+def test_llama_stack_splits_into_blocks_per_layer():
+    """The reduced LLaMA graph is a block sequence with an attention and an MLP block per
+    layer: the RMSNorm backward reads its input (a block boundary) before its rsqrt."""
+    from solvers.dp_structure import analyze
+    from solvers.layered import _behind, fold_views, kept_values
+
+    case, planned = _planned("llama", "100%", "none")
+    problem = planned.problem
+    kept = kept_values(problem)
+    red = fold_views(problem, kept)
+    seq = analyze(red.problem, fixed=_behind(red.problem, frozenset(red.reduced_id(v) for v in kept)))
+    assert len(seq.blocks) >= 2 * len(case.blocks)
