@@ -1,0 +1,88 @@
+"""The budget as the allocator counts it: budget, predicted, allocator-measured and
+tracker-measured peak per zoo model at 100%, 60% and the reported floor.
+
+    HF_HUB_OFFLINE=1 python bench/allocator.py [--models cnn,resnet,gpt2] [--size tiny]
+        [--workspace on|off] [--time-limit 2]
+
+allocator: `remat.measure.measure_step_profiler` (every byte the CPU allocator serves,
+kernel scratch included: what the budget promises). tracker: `remat.measure.measure_step`
+(tensor storages only). The floor is `InfeasibleBudgetError.min_peak_bytes` from a 1-byte
+budget. The table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# bench/solvers.py must not shadow the `solvers` package that remat imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+from remat import zoo  # noqa: E402
+from remat.errors import InfeasibleBudgetError  # noqa: E402
+from remat.measure import measure_step, measure_step_profiler  # noqa: E402
+
+
+def _step(planned, case):
+    torch.manual_seed(0)
+    out = planned(*case.args, **case.kwargs)
+    out.loss.backward()
+    return out
+
+
+def _measure(planned, case) -> tuple[int, int]:
+    register = (case.model, *case.args, *case.kwargs.values())
+    peaks = []
+    for measure in (measure_step_profiler, measure_step):
+        for p in case.model.parameters():
+            p.grad = None
+        peaks.append(measure(lambda: _step(planned, case), register=register).peak_bytes)
+    return peaks[0], peaks[1]
+
+
+def rows(name: str, size: str, options: dict) -> list[str]:
+    case = zoo.build(name, size=size)
+    try:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, **options)
+        floor = None
+    except InfeasibleBudgetError as err:
+        floor = err.min_peak_bytes
+    out = []
+    for label, budget in (("100%", "100%"), ("60%", "60%"), ("floor", floor)):
+        try:
+            planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, **options)
+        except InfeasibleBudgetError as err:
+            out.append(f"| {name} | {label} | refused (floor {err.min_peak_bytes:,}) | | | | |")
+            continue
+        allocator, tracker = _measure(planned, case)
+        predicted = planned.predicted_peak_bytes
+        out.append(f"| {name} | {label} | {planned.budget_bytes:,} | {predicted:,} | {allocator:,} "
+                   f"({allocator / predicted - 1:+.2%}) | {tracker:,} | "
+                   f"{'yes' if allocator <= planned.budget_bytes else 'NO'} |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="cnn,resnet,gpt2")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--workspace", choices=("on", "off"), default="on")
+    parser.add_argument("--time-limit", type=float, default=2.0)
+    args = parser.parse_args()
+    options = {"measure_workspace": args.workspace == "on", "time_limit_s": args.time_limit}
+    print(f"workspace {args.workspace}, time_limit_s {args.time_limit}\n")
+    print("| model | at | budget B | predicted B | allocator B (vs predicted) | tracker B | allocator <= budget |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for name in args.models.split(","):
+        for line in rows(name, args.size, options):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
