@@ -128,3 +128,12 @@ def test_compiled_ddp_plans_every_bucket_graph(ranks):
         assert all(predicted <= budget for budget, predicted, _, _ in f["graphs"])
         assert any(recomputed > 0 for *_, recomputed in f["graphs"])
     assert facts[0]["graphs"] == facts[1]["graphs"]
+
+
+def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
+    """MixedPrecisionPolicy(param_dtype=bf16): bf16 values recomputed in backward, fp32
+    sharded gradients equal to the same compiled FSDP2 step without remat."""
+    for f in _facts(ranks, "fsdp2_bf16"):
+        assert f["grads_equal"]
+        assert f["grad_dtypes"] == ["torch.float32"]
+        assert "torch.bfloat16" in f["recomputed_dtypes"]
