@@ -46,6 +46,8 @@ def load_factory(target: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
         except ImportError as e:
             raise TargetError(f"TARGET {target!r}: cannot import module {where!r} ({e}); {FORM}") from None
+        except Exception as e:  # importing ran the module's code, which failed
+            raise TargetError(f"TARGET {target!r}: importing {where!r} raised {type(e).__name__}: {e}") from e
     factory = getattr(module, name, None)
     if factory is None:
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
@@ -68,6 +70,10 @@ def _load_file(path: Path, target: str):
     sys.path.insert(0, str(path.resolve().parent))  # its sibling imports work as when run
     try:
         spec.loader.exec_module(module)
+    except Exception as e:  # the user's file failed to import: one line naming it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TargetError(f"TARGET {target!r}: importing {str(path)!r} raised {type(e).__name__}: "
+                          f"{first}; fix the file (try `python {path}`)") from e
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module

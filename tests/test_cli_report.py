@@ -176,12 +176,14 @@ def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path):
     (["{dir}/mymodel.py:buidl"], "defines no 'buidl'"),
     (["{dir}/mymodel.py:NOT_A_FUNCTION"], "not a function"),
     (["{dir}/mymodel.py:wrong"], "return (model, args) or (model, args, kwargs)"),
+    (["{dir}/broken.py:build"], "raised NameError: name 'undefined_name' is not defined"),
     (["{dir}/mymodel.py:build", "--set", "batch_size"], "is not name=value"),
     (["{dir}/mymodel.py:build", "--set", "batch=8"], "takes no argument 'batch'"),
     (["{dir}/mymodel.py:build", "--budget", "lots"], "cannot parse budget"),
     (["{dir}/mymodel.py:build", "--budget", "1KB"], "below the smallest reachable peak"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(user_file, tmp_path, capsys, argv_tail, needle):
+    (user_file.parent / "broken.py").write_text("import torch\nundefined_name\n")
     tail = [a.format(dir=user_file.parent) for a in argv_tail]
     argv = ["report", *tail[:1], "--out", str(tmp_path), "--quiet", *tail[1:]]
     if "--budget" not in argv:
