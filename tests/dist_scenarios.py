@@ -261,40 +261,12 @@ def fsdp2_mixed_precision() -> dict[str, Any]:
     }
 
 
-def ddp_compiled() -> dict[str, Any]:
-    """torch.compile(DDP(model), backend=remat.backend): DDPOptimizer splits the graph at
-    bucket boundaries and remat plans every piece; against the same split without remat
-    (aot_eager), whose code path (dynamo's) is the same."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank = dist.get_rank()
-    base = qwen2(layers=4, hidden=128)
-    reference = copy.deepcopy(base)
-    # 1 MB buckets over ~2.8 MB of parameters (DDPOptimizer asserts on buckets below 1 MB)
-    backend = remat.backend(budget=DDP_GRAPH_BUDGET, solver="chen-greedy", compiler="eager")
-    ours = torch.compile(DDP(base, bucket_cap_mb=1), backend=backend)
-    theirs = torch.compile(DDP(reference, bucket_cap_mb=1), backend="aot_eager")
-    for step in range(2):
-        ours(**rank_batch(rank, step)).loss.backward()
-        theirs(**rank_batch(rank, step)).loss.backward()
-    return {
-        "grads_equal": all(torch.equal(a.grad, b.grad)
-                           for a, b in zip(base.parameters(), reference.parameters())),
-        "graphs": [(s.budget_bytes, s.evaluation.peak_bytes, s.baseline_peak_bytes,
-                    len(s.evaluation.recomputed_ids)) for s in backend.steps],
-    }
-
-
-DDP_GRAPH_BUDGET = "3.7MB"
-
-
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "ddp": ddp_grads_equal,
     "agree": plans_agree,
     "funcol": collectives_never_recomputed,
     "fsdp2_plan": fsdp2_plan_refused,
     "fsdp2_compile": fsdp2_compiled,
-    "ddp_compile": ddp_compiled,
     "fsdp2_bf16": fsdp2_mixed_precision,
 }
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import dist_scenarios
 
-TIMEOUT_S = 300
+TIMEOUT_S = 900  # a backstop only: a hung collective raises after 120 s (init timeout)
 
 
 def _free_port() -> int:
@@ -115,19 +115,6 @@ def test_fsdp2_through_the_compile_backend(ranks):
         eager_peak, our_peak = f["peak_bytes"]
         assert our_peak < eager_peak
     assert facts[0]["decisions"] == facts[1]["decisions"]
-
-
-def test_compiled_ddp_plans_every_bucket_graph(ranks):
-    """torch.compile(DDP(model), backend=remat.backend): DDPOptimizer splits the step at
-    bucket boundaries, remat plans each piece under the (per graph) budget, and the
-    gradients are those of the same split without remat (aot_eager), bit for bit."""
-    facts = _facts(ranks, "ddp_compile")
-    for f in facts:
-        assert f["grads_equal"]
-        assert len(f["graphs"]) >= 2
-        assert all(predicted <= budget for budget, predicted, _, _ in f["graphs"])
-        assert any(recomputed > 0 for *_, recomputed in f["graphs"])
-    assert facts[0]["graphs"] == facts[1]["graphs"]
 
 
 def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
