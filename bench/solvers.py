@@ -10,6 +10,7 @@ end can build problems, the joint graphs of the public test models (remat.zoo); 
     python bench/solvers.py --sizes 100 1000 --families transformer --budgets 0.5
     python bench/solvers.py --zoo --families --json results.json
     python bench/solvers.py --backends           # why CP-SAT: the MIP under SCIP / CBC
+    python bench/solvers.py --depth              # deep narrow GPT-2 / LLaMA, trace to rewrite
 
 Columns: status (opt = OPTIMAL, feas = FEASIBLE, inf = INFEASIBLE, n/a = the solver
 refused the structure), seconds, objective (extra seconds of the step), lower bound,
@@ -134,9 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="ilp's CP-SAT workers")
     parser.add_argument("--zoo", action="store_true", help="also the public test models' joint graphs")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--depth", action="store_true",
+                        help="only the depth table: deep narrow GPT-2 / LLaMA planned end to end (bench/depth.py)")
     parser.add_argument("--backends", action="store_true",
                         help="only compare CP-SAT with a time-indexed MIP under SCIP and CBC")
     args = parser.parse_args(argv)
+    if args.depth:
+        import depth  # bench/depth.py, next to this file
+
+        rows = depth.main([])
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     if args.backends:
         compare_backends(args.time_limit)
         return

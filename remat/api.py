@@ -131,7 +131,10 @@ class Planned(nn.Module):
         cache = self.__dict__["_remat_cache"]
         budget = next(iter(cache.values()))[0].budget_bytes if cache else self.budget
         tensors = signature.tensors(args, kwargs)
-        bandwidth = resolve_bandwidth(self.offload, offload_device([*tensors, *flat.parameters()]))
+        bandwidth = None
+        if self.offload is not False:  # offload=False never looks at devices
+            device = offload_device([*tensors, *flat.parameters()], self.offload)
+            bandwidth = resolve_bandwidth(self.offload, device)
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started, sync_ranks=self.sync_ranks,
                                    offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,

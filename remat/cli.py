@@ -22,6 +22,7 @@ from typing import Any
 from remat.errors import RematError
 
 FAKE_DEFAULT_DEVICE = "h100"
+_OFFLOAD = {"auto": "auto", "on": True, "off": False}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +84,8 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="cost model of a named device (h100, h200, a100, l4); default: measure this "
                         f"machine, or {FAKE_DEFAULT_DEVICE} with --fake")
+    p.add_argument("--offload", default="auto", choices=("auto", "on", "off"),
+                   help="let the planner move activations to host memory (auto: on CUDA only)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -153,7 +156,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
     with stages.planning(opts.verbose):
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
-                             solver=opts.solver, device_speed=speed)
+                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload])
     with stages.stage("Pareto sweep") as advance:
         report = build_report(planned.step, built.model, name=opts.target, options=training,
                               pareto_points=opts.pareto_points, pareto_time_limit_s=opts.pareto_time_limit,
@@ -187,7 +190,7 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
     def plan_value(v: int) -> int:
         built, speed, _ = _build(opts, {**sets, opts.vary: v})
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
-                             solver=opts.solver, device_speed=speed)
+                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload])
         return planned.predicted_peak_bytes
 
     with stages.stage(f"searching {opts.vary}"):

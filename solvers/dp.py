@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from solvers.base import Options, WorkClock, finish
@@ -113,15 +114,47 @@ def block_tables(problem: Problem, seq: BlockSequence, limit: int, clock: WorkCl
                  fixed: frozenset[int] = frozenset()) -> list[tuple[dict, tuple[int, int]]]:
     """For each block: context (mode of a_{b-1}, a_{b-1} brought back in block b) ->
     Pareto-pruned options. Identical blocks (same signature) share one table."""
+    clock = clock or WorkClock(None)
     cache: dict[tuple, dict] = {}
     out = []
     for block in seq.blocks:
         rel, offsets = _relative(block)
         sig = _signature(problem, rel)
         if sig not in cache:
-            cache[sig] = fronts.compile_table(_table(problem, rel, limit, clock or WorkClock(None), fixed))
+            cache[sig] = _shared_table(problem, rel, sig, limit, clock, fixed)
         out.append((cache[sig], offsets))
     return out
+
+
+_TABLES: OrderedDict[tuple, tuple[dict, int, int]] = OrderedDict()
+"""Tables of recent solves by (signature, limit), with what building them charged: a
+budget sweep or a re-plan of the same model builds each table once. The signature holds
+everything a table depends on (values read from outside the block are either fixed or
+never brought back, and the evaluator treats both alike)."""
+_TABLES_KEPT = 32
+
+
+def _shared_table(problem: Problem, block: Block, sig: tuple, limit: int, clock: WorkClock,
+                  fixed: frozenset[int]) -> dict:
+    key = (sig, limit)
+    hit = _TABLES.get(key)
+    if hit is None:
+        raw, n_configs = _table(problem, block, limit, clock, fixed)
+        table = fronts.compile_table(raw)
+        modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
+        _TABLES[key] = (table, n_configs, len(modes_prev) * len(block.values))
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+        return table
+    _TABLES.move_to_end(key)
+    table, n_configs, steps = hit
+    for k in range(n_configs):  # charge the clock exactly as building it did: same plans, same limits
+        clock.charge_steps(steps)
+        if k % 256 == 0 and clock.expired:
+            raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
+                                     f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
+                                     work_s=clock.spent_s)
+    return table
 
 
 def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
@@ -139,7 +172,8 @@ def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
 
 
 def _table(problem: Problem, block: Block, limit: int, clock: WorkClock,
-           fixed: frozenset[int] = frozenset()) -> dict:
+           fixed: frozenset[int] = frozenset()) -> tuple[dict, int]:
+    """The block's Pareto-pruned options per context, and how many configurations."""
     evaluator = BlockEvaluator(problem, block, fixed)
     configs = enumerate_configs(problem, block, limit)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
@@ -165,7 +199,7 @@ def _table(problem: Problem, block: Block, limit: int, clock: WorkClock,
     table: dict[tuple, list[Option]] = {}
     for (mode_prev, touched, *_), opts in groups.items():
         table.setdefault((mode_prev, touched), []).extend(_prune_options(opts))
-    return table
+    return table, len(configs)
 
 
 def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[Decision, ...]]:
@@ -240,13 +274,13 @@ def _signature(problem: Problem, block: Block) -> tuple:
     for i in block.forward_steps + block.backward_steps:
         local[i] = len(local)
         n = nodes[i]
-        items.append((n.phase, n.out_bytes, n.compute_s, n.recomputable, n.offloadable,
+        items.append((n.phase, n.out_bytes, n.workspace_bytes, n.compute_s, n.recomputable, n.offloadable,
                       local.get(n.alias_of, None if n.alias_of is None else "x"),
                       tuple(local.get(j, "x") for j in n.inputs)))
     prev = None
     if block.prev is not None:
         p = nodes[block.prev]
-        prev = (p.out_bytes, p.recomputable, p.offloadable, block.prev_read_later)
+        prev = (p.out_bytes, p.workspace_bytes, p.recomputable, p.offloadable, block.prev_read_later)
     # store_s depends on the forward compute after a value, so identical layers at
     # different depths may price an offload differently
     store = tuple(problem.store_s(v) for v in block.values) if problem.offload_bandwidth_bytes_per_s else ()

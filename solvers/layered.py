@@ -1,25 +1,31 @@
 """`layers`: exact DP over a stack of repeated layers (Problem.layers), on per-block
 Pareto fronts (Rotor / Checkmate style), for traced joint graphs that `dp` refuses.
 
-Plan space: simulate's canonical space, with the values that the layer structure marks
-as shared between layers (a causal mask, rotary tables: `LayerStructure.shared_values`)
-and the forward outputs kept (SAVE). Everything else is decided exactly, block by block,
-by dp's machinery (dp_structure / dp_local / dp_fronts): the shared values are what
-keeps a traced stack from splitting into blocks, and keeping them costs a few KiB.
+Plan space: simulate's canonical space, with these values kept (SAVE): those the layer
+structure marks as shared between layers (a causal mask, rotary tables:
+`LayerStructure.shared_values`), those on a forward output's storage, views of
+parameters (`kept_values`), and the values needed only to recompute kept ones; and with
+each pure forward view decided as its base. Everything else is decided exactly, block by
+block, by dp's machinery (dp_structure / dp_local / dp_fronts): the shared values are
+what keeps a traced stack from splitting into blocks, and keeping them costs a few KiB.
 
 Traced graphs have two more features dp's block model does not describe: the loss is a
 forward output, and backward reads activations through views (`t`, `transpose`,
 `detach`). The solver plans a *reduced* problem (`fold_views`): each pure view of a
 forward storage is folded into its readers (they read the base; a view owns no bytes and
-keeps exactly its base's storage alive; a forward view takes its base's decision), and
-the kept values are held to the end of the step. The plan is then simulated on the
-original problem (the one memory model). Certificate: the reduced model's cost equals
-simulate's and its peak is at most the kept bytes above simulate's, so the DP's optimum
-at the budget raised by the kept bytes is a lower bound (lower_bound_s) on every plan of
-this space that fits; the plan is OPTIMAL when it meets that bound. If simulate disagrees
-with the DP on the chosen plan (cost, or a higher peak), no bound is claimed and a
-warning is logged. The fold assumes a backward view runs just before its reader, as the
-front end emits it; the per-plan check is what guards that assumption.
+keeps exactly its base's storage alive; a forward view takes its base's decision).
+
+A kept value (a mask) stays live in simulate until its last read, which may be a
+recomputation in backward; dp's static bytes cannot see that. So the DP runs on two
+models of the reduced problem: an optimistic one (kept values die at their last static
+read: never above simulate's peak, so its optimum is a lower bound on every plan of this
+space that fits) and a conservative one (kept values live to the end of the step: never
+below simulate's peak, so its plans fit). The optimistic optimum is returned OPTIMAL when
+simulate says it fits; else the conservative optimum, with the optimistic cost as
+lower_bound_s (OPTIMAL when they meet). Every plan is simulated on the original problem
+(the one memory model); if simulate's cost differs from the DP's, no bound is claimed and
+a warning is logged. The fold assumes a backward view runs just before its reader, as
+the front end emits it; the per-plan check is what guards that assumption.
 
 Without a layer structure the solver raises UnsupportedProblem (auto moves on).
 """
@@ -128,29 +134,65 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     limit = getattr(options, "max_block_configs", DPOptions().max_block_configs)
     clock = WorkClock(options.time_limit_s)
     kept = kept_values(problem)
-    red = fold_views(problem, kept)
-    fixed = _behind(red.problem, frozenset(red.reduced_id(v) for v in kept))
-    try:
-        seq = analyze(red.problem, fixed=fixed)
-        tables = block_tables(red.problem, seq, limit, clock, fixed)
-    except UnsupportedProblem as error:
-        raise UnsupportedProblem(f"layers (on dp's block machinery): {error}", work_s=clock.spent_s) from None
+    # Two models of the same reduced graph (the same ids): kept values die at their last
+    # static read (optimistic: never above simulate, so its optimum is a lower bound) or
+    # live to the end (conservative: never below simulate, so its plans fit).
+    optimistic, conservative = (_Model(problem, fold_views(problem, k), kept, limit, clock)
+                                for k in (frozenset(), kept))
     budget = problem.budget_bytes
-    found = _cheapest(tables, seq.initial_bytes, budget)
+    low = optimistic.cheapest(budget)
+    if low is not None:
+        decisions, cost = optimistic.decisions(low)
+        ev = evaluate(problem, decisions)
+        if not math.isclose(ev.cost_s, cost, rel_tol=1e-9, abs_tol=1e-12):
+            log.warning("layers: predicted cost %.6g but simulate gives %.6g; no bound", cost, ev.cost_s)
+            low = None
+        elif ev.fits:  # the relaxation's optimum fits: optimal outright
+            return finish(problem, decisions, "layers", started_s=started, optimal=True,
+                          lower_bound_s=ev.cost_s, work_s=clock.spent_s)
+    found = conservative.cheapest(budget)
     if found is None:  # nothing fits: the least peak, then the cheapest plan at that peak
-        least = fronts.run(tables, seq.initial_bytes, budget, min_peak=True)
-        found = fronts.run(tables, seq.initial_bytes, least[2], min_peak=False) or least
-    configs, cost, peak = found
-    chosen: dict[int, Decision] = {}
-    for block, config in zip(seq.blocks, configs):
-        chosen.update(zip(block.values, config))
-    decisions = {i: _unfolded(problem, i, chosen.get(red.reduced_id(i), Decision.SAVE))
-                 for i in problem.decision_ids}
+        found = conservative.least_peak(budget)
+    decisions, cost = conservative.decisions(found)
     ev = evaluate(problem, decisions)
-    bound = _bound(problem, tables, seq.initial_bytes, kept, ev.cost_s, ev.peak_bytes, (cost, peak))
+    bound = None
+    if low is not None and ev.fits and math.isclose(ev.cost_s, cost, rel_tol=1e-9, abs_tol=1e-12):
+        bound = min(low[1], ev.cost_s)
     return finish(problem, decisions, "layers", started_s=started,
                   optimal=bound is not None and bound >= ev.cost_s * (1 - 1e-9), lower_bound_s=bound,
                   work_s=clock.spent_s)
+
+
+class _Model:
+    """dp's block tables for one reduced problem."""
+
+    def __init__(self, problem: Problem, red: Reduced, kept: frozenset[int], limit: int,
+                 clock: WorkClock) -> None:
+        self.problem, self.red = problem, red
+        fixed = _behind(red.problem, frozenset(red.reduced_id(v) for v in kept))
+        try:
+            self.seq = analyze(red.problem, fixed=fixed)
+            self.tables = block_tables(red.problem, self.seq, limit, clock, fixed)
+        except UnsupportedProblem as error:
+            raise UnsupportedProblem(f"layers (on dp's block machinery): {error}",
+                                     work_s=clock.spent_s) from None
+
+    def cheapest(self, budget: int) -> tuple | None:
+        return _cheapest(self.tables, self.seq.initial_bytes, budget)
+
+    def least_peak(self, budget: int) -> tuple:
+        least = fronts.run(self.tables, self.seq.initial_bytes, budget, min_peak=True)
+        return fronts.run(self.tables, self.seq.initial_bytes, least[2], min_peak=False) or least
+
+    def decisions(self, found: tuple) -> tuple[dict[int, Decision], float]:
+        """The plan of the original problem and the DP's cost for it."""
+        configs, cost, _ = found
+        chosen: dict[int, Decision] = {}
+        for block, config in zip(self.seq.blocks, configs):
+            chosen.update(zip(block.values, config))
+        red = self.red
+        return {i: _unfolded(self.problem, i, chosen.get(red.reduced_id(i), Decision.SAVE))
+                for i in self.problem.decision_ids}, cost
 
 
 def _unfolded(problem: Problem, i: int, base_decision: Decision) -> Decision:
@@ -159,22 +201,3 @@ def _unfolded(problem: Problem, i: int, base_decision: Decision) -> Decision:
     if base_decision is Decision.OFFLOAD and Decision.OFFLOAD not in problem.allowed(i):
         return Decision.RECOMPUTE if problem.nodes[i].recomputable else Decision.SAVE
     return base_decision
-
-
-def _bound(problem: Problem, tables: list, initial_bytes: int, kept: frozenset[int], cost_s: float,
-           peak_bytes: int, predicted: tuple[float, int]) -> float | None:
-    """A lower bound on the cost of every plan of this space that simulate fits in the
-    budget: the DP's optimum with the budget raised by the kept bytes (the reduced model
-    holds kept values at most that much longer than simulate). None when the plan does
-    not fit or simulate disagrees with the DP's cost (then the model is not trusted)."""
-    cost, peak = predicted
-    if peak_bytes > problem.budget_bytes:
-        return None
-    if not math.isclose(cost_s, cost, rel_tol=1e-9, abs_tol=1e-12) or peak_bytes > peak:
-        log.warning("layers: predicted cost %.6g / peak %d but simulate gives %.6g / %d; no bound",
-                    cost, peak, cost_s, peak_bytes)
-        return None
-    slack = sum(problem.nodes[v].out_bytes for v in kept if problem.storage_of[v] == v
-                and problem.nodes[v].phase is Phase.FORWARD)
-    relaxed = _cheapest(tables, initial_bytes, problem.budget_bytes + slack)
-    return cost_s if relaxed is None else min(cost_s, relaxed[1])

@@ -77,6 +77,7 @@ def test_measured_peak_under_budget_and_prediction(compiled):
     again = be.measure(lambda: _loss(fn, x), register=(model, x))
     assert again.peak_bytes == measured.peak_bytes  # same compiled code, same allocations
     assert f"measured peak:   {again.peak_bytes / 2**20:.2f} MiB" in be.summary()
+    assert "WARNING" not in be.summary()
 
 
 def test_no_recompile_on_second_call(compiled):

@@ -111,3 +111,20 @@ def test_a_large_shared_value_costs_a_gap_not_a_wrong_bound():
         best = _oracle(problem)
         if best is not None:
             assert plan.lower_bound_s <= best + 1e-9 <= plan.objective_s + 2e-9
+
+
+def test_shared_block_tables_charge_the_clock_as_building_them_did():
+    """Tables are reused across solves; the deterministic clock is charged the same, so a
+    limit cuts the same search whether or not the tables were cached."""
+    import solvers.dp as dp
+
+    problem = builders.with_budget_fraction(builders.transformer(3, seq=64, d_model=64, n_heads=2, vocab=64), 0.6)
+    dp._TABLES.clear()
+    first = solve(problem, "dp")
+    second = solve(problem, "dp")
+    assert first.decisions == second.decisions and first.status is second.status
+    assert first.work_s == second.work_s > 0
+    tight = first.work_s / 2  # less than building the tables takes: declined, cached or not
+    for _ in range(2):
+        with pytest.raises(UnsupportedProblem, match="time limit"):
+            solve(problem, "dp", time_limit_s=tight)

@@ -74,3 +74,35 @@ def test_auto_uses_layers_when_the_front_end_finds_them():
     _, layered = _planned("cnn", "75%", "layers")
     assert planned.plan.status is Status.OPTIMAL
     assert planned.plan.decisions == layered.plan.decisions
+
+
+def test_fused_attention_without_dropout_is_recomputed_bit_for_bit():
+    """`_scaled_dot_product_flash_attention_for_cpu` is tagged nondeterministic_seeded for
+    its dropout; with dropout_p=0 (LLaMA) it draws nothing, so a plan may recompute it."""
+    from torch._export.utils import _compiling_state_context
+
+    case, planned = _planned("llama", "100%", "all")
+    gp = planned.step.graph_problem
+    attention = [i for i, names in enumerate(gp.fx_names)
+                 if any(n.startswith("_scaled_dot_product_flash_attention_for_cpu") and "backward" not in n
+                        for n in names)]
+    assert attention and set(attention) <= set(planned.step.evaluation.recomputed_ids)
+    planned_grads, peak = _grads_and_peak(planned, case)
+    with _compiling_state_context():  # the code path remat traced (explicit causal mask)
+        eager_grads, _ = _grads_and_peak(case.model, case)
+    for n, g in eager_grads.items():
+        assert torch.equal(planned_grads[n], g), n
+
+
+def test_llama_stack_splits_into_blocks_per_layer():
+    """The reduced LLaMA graph is a block sequence with an attention and an MLP block per
+    layer: the RMSNorm backward reads its input (a block boundary) before its rsqrt."""
+    from solvers.dp_structure import analyze
+    from solvers.layered import _behind, fold_views, kept_values
+
+    case, planned = _planned("llama", "100%", "none")
+    problem = planned.problem
+    kept = kept_values(problem)
+    red = fold_views(problem, kept)
+    seq = analyze(red.problem, fixed=_behind(red.problem, frozenset(red.reduced_id(v) for v in kept)))
+    assert len(seq.blocks) >= 2 * len(case.blocks)

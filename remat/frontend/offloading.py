@@ -37,21 +37,24 @@ def check_offload(offload: Any) -> None:
         )
 
 
-def offload_device(tensors: list[torch.Tensor]) -> torch.device:
-    """The one device the step's tensors live on (offload moves from it to the host)."""
+def offload_device(tensors: list[torch.Tensor], offload: Any = True) -> torch.device | None:
+    """The one device the step's tensors live on (offload moves from it to the host).
+    Tensors on several devices: an error when offload was asked for, else None (off)."""
     devices = {t.device for t in tensors}
-    if len(devices) != 1:
+    if len(devices) == 1:
+        return devices.pop()
+    if offload is True:
         raise OffloadError(
             f"offload needs the model and inputs on one device, found {sorted(map(str, devices))}; "
             "move them to one device or pass offload=False"
         )
-    return devices.pop()
+    return None
 
 
-def resolve_bandwidth(offload: Any, device: torch.device) -> float | None:
+def resolve_bandwidth(offload: Any, device: torch.device | None) -> float | None:
     """The link bandwidth the planner may use, or None when offload is off."""
     check_offload(offload)
-    if offload is False or (offload == "auto" and device.type != "cuda"):
+    if offload is False or device is None or (offload == "auto" and device.type != "cuda"):
         return None
     if device.type not in ("cpu", "cuda"):
         raise OffloadError(

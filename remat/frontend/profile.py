@@ -61,7 +61,9 @@ def never_replay_reason(node: fx.Node) -> str | None:
     if not isinstance(target, torch._ops.OpOverload):
         return None
     tags = set(target.tags)
-    if torch.Tag.nondeterministic_seeded in tags:
+    seeded = torch.Tag.nondeterministic_seeded in tags
+    deterministic = seeded and _dropout_off(node, target)  # fx calls it impure all the same
+    if seeded and not deterministic:
         return "random"
     if target._schema.is_mutable:
         return "mutating"
@@ -69,6 +71,24 @@ def never_replay_reason(node: fx.Node) -> str | None:
         return "collective or offload"
     if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
         return "data-dependent"
-    if node.is_impure():
+    if node.is_impure() and not deterministic:
         return "side effect"
     return None
+
+
+def _dropout_off(node: fx.Node, target: torch._ops.OpOverload) -> bool:
+    """A seeded op whose only randomness is a `dropout_p` argument that is 0 (the fused
+    attention kernels: `_scaled_dot_product_flash_attention_for_cpu` is tagged
+    nondeterministic_seeded for its dropout, yet with dropout_p=0 it draws no random
+    numbers and returns the same bits on the same inputs), so it may be recomputed."""
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    k = names.index("dropout_p")
+    if "dropout_p" in node.kwargs:
+        value = node.kwargs["dropout_p"]
+    elif k < len(node.args):
+        value = node.args[k]
+    else:
+        value = target._schema.arguments[k].default_value
+    return isinstance(value, (int, float)) and value == 0

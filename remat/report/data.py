@@ -78,6 +78,10 @@ class Report:
     pareto: tuple[ParetoPoint, ...]
     planning_s: dict[str, float]
     """Seconds per stage: trace, profile, solve, rewrite."""
+    offloaded_bytes: int = 0
+    """Bytes the plan moves to host memory (each way)."""
+    transfer_s: float = 0.0
+    """Offload transfer seconds out and back, in full; `offload_s` is the exposed part."""
 
 
 def build_report(
@@ -122,6 +126,8 @@ def build_report(
         decisions=_decisions(step),
         pareto=pareto,
         planning_s={"trace": t.trace_s, "profile": t.profile_s, "solve": t.solve_s, "rewrite": t.rewrite_s},
+        offloaded_bytes=ev.offload_bytes,
+        transfer_s=ev.transfer_s,
     )
 
 

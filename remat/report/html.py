@@ -65,7 +65,9 @@ def _cards(report: Report) -> str:
         ("predicted peak", _mib(report.predicted_peak_bytes)),
         ("no-remat peak", _mib(report.baseline_peak_bytes)),
         ("smallest reachable peak", _mib(report.min_peak_bytes)),
-        ("extra compute", f"{report.extra_compute_s * 1e3:.3f} ms"),
+        ("extra compute" + (" + offload" if report.offload_s else ""),
+         f"{report.extra_compute_s * 1e3:.3f}" + (f" + {report.offload_s * 1e3:.3f}" if report.offload_s else "")
+         + " ms"),
         ("saved / recomputed / offloaded", f"{counts['save']} / {counts['recompute']} / {counts['offload']}"),
     ]
     cells = "".join(f"<div class='card'><span class='muted'>{_e(k)}</span><b>{_e(v)}</b></div>" for k, v in items)
@@ -75,11 +77,13 @@ def _cards(report: Report) -> str:
 def _pareto_table(report: Report) -> str:
     rows = "".join(
         f"<tr><td class='n'>{_mib(p.budget_bytes)}</td><td class='n'>{_mib(p.predicted_peak_bytes)}</td>"
-        f"<td class='n'>{p.extra_compute_s * 1e3:.3f}</td><td>{_e(p.solver)}</td><td>{_e(p.status)}</td></tr>"
+        f"<td class='n'>{p.extra_compute_s * 1e3:.3f}</td><td class='n'>{p.offload_s * 1e3:.3f}</td>"
+        f"<td>{_e(p.solver)}</td><td>{_e(p.status)}</td></tr>"
         for p in report.pareto
     )
     return ("<table><tr><th class='n'>budget</th><th class='n'>predicted peak</th>"
-            f"<th class='n'>extra compute ms</th><th>solver</th><th>status</th></tr>{rows}</table>")
+            "<th class='n'>recompute ms</th><th class='n'>offload ms</th><th>solver</th><th>status</th></tr>"
+            f"{rows}</table>")
 
 
 def _breakdown_table(report: Report) -> str:

@@ -17,7 +17,11 @@ class ParetoPoint:
     budget_bytes: int
     predicted_peak_bytes: int
     extra_compute_s: float
-    """Recompute seconds plus offload transfer seconds (simulate's objective)."""
+    """Recompute seconds of the plan."""
+    offload_s: float
+    """Offload transfer seconds of the plan (0 without offload)."""
+    extra_time_s: float
+    """extra_compute_s + offload_s: simulate's objective, which never grows with the budget."""
     solver: str
     status: str
     """The status of the solve that found the plan (optimal, feasible)."""
@@ -68,8 +72,10 @@ def sweep(
     for budget in budgets:
         fitting = [p for p in found if p.peak_bytes <= budget]
         best = min(fitting, key=lambda p: (p.objective_s, p.peak_bytes))
+        ev = simulate(problem, best)
         out.append(ParetoPoint(budget_bytes=budget, predicted_peak_bytes=best.peak_bytes,
-                               extra_compute_s=best.objective_s, solver=best.solver,
+                               extra_compute_s=ev.recompute_s, offload_s=ev.offload_s,
+                               extra_time_s=best.objective_s, solver=best.solver,
                                status=best.status.value))
     return tuple(out)
 

@@ -89,9 +89,13 @@ def render(report: "Report") -> str:
         f"  predicted peak:    {format_bytes(report.predicted_peak_bytes)}",
         f"  no-remat peak:     {format_bytes(report.baseline_peak_bytes)}",
         f"  smallest peak:     {format_bytes(report.min_peak_bytes)}",
-        f"  extra compute:     {report.extra_compute_s * 1e3:.3f} ms",
+        f"  extra compute:     {report.extra_compute_s * 1e3:.3f} ms"
+        + (f" (+ {report.offload_s * 1e3:.3f} ms offload transfers)" if report.offload_s else ""),
         f"  decisions:         {counts['save']} saved, {counts['recompute']} recomputed, "
         f"{counts['offload']} offloaded",
+        *([f"  offload:           {format_bytes(report.offloaded_bytes)} each way, transfer "
+           f"{report.transfer_s * 1e3:.3f} ms ({max(report.transfer_s - report.offload_s, 0.0) * 1e3:.3f} ms "
+           f"hidden behind compute, {report.offload_s * 1e3:.3f} ms exposed)"] if report.offloaded_bytes else []),
         f"  model state ({o.optimizer}, {o.precision}, shard {o.shard} ZeRO-{o.zero_stage}, adapter {o.adapter}):",
         f"    weights {_mib(b.weights_bytes)}, gradients {_mib(b.gradients_bytes)}, "
         f"master {_mib(b.master_bytes)}, optimizer {_mib(b.optimizer_bytes)}",
@@ -101,9 +105,9 @@ def render(report: "Report") -> str:
         f"  total per device:  {_mib(b.total_bytes)}",
     ]
     if report.pareto:
-        lines.append("  pareto (budget -> peak, extra compute):")
+        lines.append("  pareto (budget -> peak, extra time = recompute + offload):")
         lines += [f"    {_mib(p.budget_bytes):>14} -> {_mib(p.predicted_peak_bytes):>14}, "
-                  f"{p.extra_compute_s * 1e3:9.3f} ms" for p in report.pareto]
+                  f"{p.extra_time_s * 1e3:9.3f} ms" for p in report.pareto]
     return "\n".join(lines)
 
 

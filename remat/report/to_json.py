@@ -11,11 +11,13 @@ Schema (all byte counts are ints, all times float seconds):
     solver, status        str    solver name; optimal | feasible
     solve_s               float
     extra_compute_s       float  recompute seconds under the cost model
-    offload_s             float  transfer seconds of offloaded values
+    offload_s             float  exposed transfer seconds of offloaded values
     peak_step             int    index into timeline where the peak is first reached
     cost_model            str    how per-op seconds were estimated
     fake                  bool   planned on fake/meta tensors (no weights allocated)
     planning_s            {trace, profile, solve, rewrite: float}
+    offloaded_bytes       int    bytes moved to host memory (each way)
+    transfer_s            float  transfer seconds out and back in full (hidden = transfer_s - offload_s)
     breakdown             {trainable_params, frozen_params, weights_bytes, gradients_bytes,
                            master_bytes, optimizer_bytes, buffers_bytes, inputs_bytes,
                            activations_saved_bytes, activations_recomputed_bytes,
@@ -25,9 +27,10 @@ Schema (all byte counts are ints, all times float seconds):
     timeline              [{step, kind: forward|backward|recompute|reload, name, live_bytes}]
     decisions             [{name, bytes, decision: save|recompute|offload, module,
                             module_class, source: 'file:line', reason}]
-    pareto                [{budget_bytes, predicted_peak_bytes, extra_compute_s, solver,
-                            status}]  budgets ascending from min_peak_bytes to
-                           baseline_peak_bytes; extra_compute_s never increases
+    pareto                [{budget_bytes, predicted_peak_bytes, extra_compute_s, offload_s,
+                            extra_time_s, solver, status}]  budgets ascending from
+                           min_peak_bytes to baseline_peak_bytes; extra_time_s
+                           (= extra_compute_s + offload_s) never increases
 """
 
 from __future__ import annotations

@@ -160,6 +160,12 @@ class RematBackend:
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
+            budget = sum(step.budget_bytes for step in self.steps)
+            if self.measured.peak_bytes > budget:
+                compiled += (f"\nWARNING: the measured peak is {format_bytes(self.measured.peak_bytes - budget)} "
+                             "over the budget: what inductor ran differs from remat's op-by-op model "
+                             "here (fusion groups ops); lower the budget by that much, or use "
+                             "compiler='eager' for the exact model")
         return "\n\n".join([line for line in (head, compiled) if line]
                            + [summary(step) for step in self.steps])
 
