@@ -274,13 +274,13 @@ def _signature(problem: Problem, block: Block) -> tuple:
     for i in block.forward_steps + block.backward_steps:
         local[i] = len(local)
         n = nodes[i]
-        items.append((n.phase, n.out_bytes, n.compute_s, n.recomputable, n.offloadable,
+        items.append((n.phase, n.out_bytes, n.workspace_bytes, n.compute_s, n.recomputable, n.offloadable,
                       local.get(n.alias_of, None if n.alias_of is None else "x"),
                       tuple(local.get(j, "x") for j in n.inputs)))
     prev = None
     if block.prev is not None:
         p = nodes[block.prev]
-        prev = (p.out_bytes, p.recomputable, p.offloadable, block.prev_read_later)
+        prev = (p.out_bytes, p.workspace_bytes, p.recomputable, p.offloadable, block.prev_read_later)
     # store_s depends on the forward compute after a value, so identical layers at
     # different depths may price an offload differently
     store = tuple(problem.store_s(v) for v in block.values) if problem.offload_bandwidth_bytes_per_s else ()

@@ -155,7 +155,7 @@ class _Run:
                 if not nodes[i].recomputable:
                     raise InvalidLocal(i)
                 steps.append((NEST, i, static))
-                steps.append((ROOT, i, static))
+                steps.append((ROOT, i, static + nodes[i].workspace_bytes))
                 continue
             d = dec[i]
             if d is Decision.OFFLOAD:
@@ -166,7 +166,7 @@ class _Run:
             if not nodes[i].recomputable:
                 raise InvalidLocal(i)
             if expanded:
-                steps.append((REC, i, static))
+                steps.append((REC, i, static + nodes[i].workspace_bytes))
                 self.cost_s += nodes[i].compute_s
                 on_device.add(i)
                 continue

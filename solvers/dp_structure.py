@@ -207,8 +207,9 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
 
 
 def static_profile(problem: Problem, decision: set[int]) -> tuple[dict[int, int], dict[int, int], int]:
-    """Bytes no decision changes: (live at each node's step, live just before each
-    node's step, live before the first step). Steps: forward ids, then backward ids."""
+    """Bytes no decision changes: (live at each node's step, the node's workspace
+    included; live just before each node's step; live before the first step). Steps:
+    forward ids, then backward ids."""
     nodes, root = problem.nodes, problem.storage_of
     order = list(problem.forward_ids) + list(problem.backward_ids)
     pos = {i: k for k, i in enumerate(order)}
@@ -246,5 +247,5 @@ def static_profile(problem: Problem, decision: set[int]) -> tuple[dict[int, int]
     for k, i in enumerate(order):
         live_at += delta_at[k]
         live_before += delta_before[k]
-        at[i], before[i] = live_at, live_before
+        at[i], before[i] = live_at + nodes[i].workspace_bytes, live_before
     return at, before, initial

@@ -68,9 +68,15 @@ class Node:
     """False for ops that must never be replayed (random, mutating, collective, ...)."""
     offloadable: bool = True
     """False for values that cannot be moved to host memory."""
+    workspace_bytes: int = 0
+    """Transient bytes the op allocates and frees inside itself, beyond its output
+    (kernel scratch: im2col, oneDNN/cuDNN/cuBLAS workspaces), live only while the op
+    runs; counted at every step that runs it (forward, backward or recompute)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        if not isinstance(self.workspace_bytes, int) or self.workspace_bytes < 0:
+            raise ValueError(f"node {self.name!r}: workspace_bytes must be an int >= 0, got {self.workspace_bytes!r}")
         if not isinstance(self.phase, Phase):
             raise ValueError(f"node {self.name!r}: phase must be a Phase, got {self.phase!r}")
         if not isinstance(self.out_bytes, int) or self.out_bytes < 0:
@@ -305,7 +311,8 @@ class Evaluation:
     (`Problem.store_s`), plus each reload in full (`Problem.reload_s`)."""
     steps: tuple[Step, ...]
     timeline: tuple[int, ...]
-    """Live device bytes while each step runs (its inputs and its output allocated)."""
+    """Live device bytes while each step runs (its inputs and its output allocated, plus
+    the op's workspace unless the step is a reload)."""
     fits: bool
     recomputed_ids: tuple[int, ...]
     """Forward ids recomputed at least once, ascending."""

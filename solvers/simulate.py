@@ -12,7 +12,9 @@ Canonical schedule (used when a plan has no explicit one):
      problem's outputs, which live to the end. A value nobody reads is freed right after
      the step that makes it. An alias keeps its base's storage alive; bytes are counted
      once per storage.
-  5. SAVE values keep their forward instance for backward; RECOMPUTE and OFFLOAD values
+  5. An op's workspace (Node.workspace_bytes) is live only while its step runs: it
+     adds to that step's timeline entry (forward, backward or recompute; not a reload).
+  6. SAVE values keep their forward instance for backward; RECOMPUTE and OFFLOAD values
      lose it after their last forward use (OFFLOAD moves it to host memory: the copy out
      overlaps the forward compute after that use and costs only what sticks out,
      `Problem.store_s`; the copy back is waited for in full, `Problem.reload_s`).
@@ -241,9 +243,11 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
     timeline = []
     for k in range(n_steps):
         live += alloc_at[k]
-        timeline.append(live)
-        if live > peak:
-            peak, peak_step = live, k
+        step = steps[k]
+        now = live if step.kind is StepKind.RELOAD else live + nodes[step.node_id].workspace_bytes
+        timeline.append(now)
+        if now > peak:
+            peak, peak_step = now, k
         live -= free_after[k]
 
     bw = problem.offload_bandwidth_bytes_per_s

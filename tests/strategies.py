@@ -5,6 +5,8 @@ Costs are multiples of 1/8 so sums are exact in floating point; problems have at
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from solvers import Decision, Phase, Problem, decisions_all
@@ -59,12 +61,26 @@ def peaks(problem: Problem) -> tuple[int, int]:
     )
 
 
+WORKSPACES = [0, 0, 0, 8, 40, 160]
+"""Op workspace bytes: mostly none, some small, some larger than any value."""
+
+
 @st.composite
-def problems(draw, max_forward: int = 6, offload: bool | None = None) -> Problem:
+def problems(draw, max_forward: int = 6, offload: bool | None = None,
+             workspace: bool | None = None) -> Problem:
     """A random joint problem with a budget between 80% of the smaller and the larger of
     the `all` and `none` peaks (so some are infeasible); offload bandwidth
-    None or a power of two (offload=None: either)."""
+    None or a power of two (offload=None: either); op workspaces on forward and
+    backward non-view nodes (workspace=None: either)."""
     problem = joint_from_forward(draw(forward_ops(max_forward)))
+    if workspace is None:
+        workspace = draw(st.booleans())
+    if workspace:
+        nodes = tuple(
+            dataclasses.replace(n, workspace_bytes=draw(st.sampled_from(WORKSPACES)))
+            if n.phase in (Phase.FORWARD, Phase.BACKWARD) and n.alias_of is None else n
+            for n in problem.nodes)
+        problem = dataclasses.replace(problem, nodes=nodes)
     if offload is None:
         offload = draw(st.booleans())
     if offload:

@@ -222,3 +222,21 @@ def test_report_html_renders_in_headless_chromium(report_dir, tmp_path):
     # the two figures drew: many distinct colours, not a blank or an error page
     assert pixels[:900].std() > 0.05
     assert len({tuple(p) for p in pixels[::7, ::7, :3].reshape(-1, 3).round(2)}) > 50
+
+
+def test_offload_on_reaches_below_the_recompute_floor_and_reports_it(user_file, tmp_path):
+    built = target.call_factory(target.load_factory(f"{user_file}:build"), "build", {"batch_size": 256})
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        remat.plan(built.model, built.args, built.kwargs, budget=1, offload=False)
+    budget = refused.value.min_peak_bytes - 1  # below every recompute-only plan
+    argv = ["report", f"{user_file}:build", "--budget", str(budget), "--offload", "on", "--out", str(tmp_path),
+            "--set", "batch_size=256", "--pareto-points", "4", "--quiet"]
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "report.json").read_text())
+    offloaded = [r for r in data["decisions"] if r["decision"] == "offload"]
+    assert offloaded and data["predicted_peak_bytes"] <= budget and data["offload_s"] > 0
+    assert data["breakdown"]["activations_offloaded_bytes"] == sum(r["bytes"] for r in offloaded)
+    pareto = data["pareto"]
+    assert all(b["extra_time_s"] <= a["extra_time_s"] for a, b in zip(pareto, pareto[1:]))
+    here = [p for p in pareto if p["budget_bytes"] == data["budget_bytes"]]
+    assert here and here[0]["extra_time_s"] <= data["extra_compute_s"] + data["offload_s"]

@@ -1,0 +1,203 @@
+"""Measure each op's workspace: the bytes it allocates and frees inside itself, beyond
+its outputs (CPU im2col and oneDNN scratch, cuDNN/cuBLAS workspaces), which no tensor
+ever holds but the allocator serves (`max_memory_allocated` counts it).
+
+Each distinct (op, argument shapes/strides/dtypes, device, other arguments) runs once on
+fresh tensors of the traced shapes, inside one profiler session with
+`profile_memory=True`; its workspace is the peak of the running sum of allocator events
+inside the op less what is still allocated when it returns (its outputs). Results are
+cached for the process. Never run: collectives (c10d namespaces: they would need the
+other ranks), remat's and torch's offload ops, and ops whose arguments cannot be made
+(sizes without a hint). Measuring runs under a forked RNG state, so the user's random
+stream is untouched. On meta/fake planning nothing runs: every workspace is 0, stated
+as the assumption (`GraphProblem` callers log it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx
+
+from solvers import Problem
+
+log = logging.getLogger(__name__)
+
+NEVER_RUN_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor",
+                                  "remat", "ao"})
+"""Op namespaces measuring must never execute (collectives; remat's and torch's offload ops)."""
+
+_CACHE: dict[tuple, int] = {}
+
+
+def _namespace(target: Any) -> str:
+    return getattr(target, "namespace", "") or str(target).split(".", 1)[0]
+
+
+def _hint(value: Any) -> Any:
+    """A size by its hint, without guarding on it (int() on a SymInt would specialize
+    the graph on this size)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise ValueError(f"symbolic value {value} has no hint")
+        return hint
+    return value
+
+
+def _describe(value: Any) -> Any:
+    """A hashable description of one argument (tensors by layout, not content)."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(_hint(s) for s in value.shape), tuple(_hint(s) for s in value.stride()),
+                value.dtype, str(value.device))
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", type(value).__name__, _hint(value))
+    return ("V", repr(value))
+
+
+def op_key(node: fx.Node) -> tuple | None:
+    """The cache key of a node's op, or None when it is not measured."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if _namespace(target) in NEVER_RUN_NAMESPACES:
+        return None
+    try:
+        return (str(target), _describe(list(node.args)), _describe(sorted(node.kwargs.items())))
+    except (TypeError, ValueError, RuntimeError):  # a size without a hint
+        return None
+
+
+def _materialize(value: Any) -> Any:
+    """Real arguments for one measured call: fresh tensors of the traced layout (normal
+    floats, zero integers so indices stay in range), sizes resolved by their hints."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        shape = tuple(_hint(s) for s in value.shape)
+        stride = tuple(_hint(s) for s in value.stride())
+        t = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            t.normal_()
+        else:
+            t.zero_()
+        return t
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _hint(value)
+    return value
+
+
+def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
+    """Workspace bytes per node name (nodes not measured are absent)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    out: dict[str, int] = {}
+    todo: dict[tuple, fx.Node] = {}
+    keyed: list[tuple[str, tuple]] = []
+    for node in nodes:
+        key = op_key(node)
+        if key is None:
+            continue
+        keyed.append((node.name, key))
+        if key not in _CACHE:
+            todo.setdefault(key, node)
+    if todo:
+        with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
+                devices=[device] if device.type == "cuda" else []):
+            _CACHE.update(_run(list(todo.items()), device))
+    for name, key in keyed:
+        if _CACHE.get(key):
+            out[name] = _CACHE[key]
+    return out
+
+
+def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple, int]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    ran: dict[str, tuple] = {}
+    with profile(activities=activities, profile_memory=True) as prof:
+        for k, (key, node) in enumerate(todo):
+            try:
+                args, kwargs = _materialize(list(node.args)), _materialize(dict(node.kwargs))
+            except (TypeError, ValueError, RuntimeError) as err:
+                log.debug("workspace: cannot build arguments of %s: %s", node.format_node(), err)
+                continue
+            label = f"remat.workspace.{k}"
+            try:
+                with record_function(label):
+                    result = node.target(*args, **kwargs)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+            except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as err:
+                log.debug("workspace: %s failed on fresh inputs (%s); assuming none", node.format_node(), err)
+                continue
+            ran[label] = key
+            del result, args, kwargs
+    found = {key: 0 for key, _ in todo}
+    found.update(_workspaces(prof, device, ran))
+    return found
+
+
+def _workspaces(prof: Any, device: torch.device, ran: dict[str, tuple]) -> dict[tuple, int]:
+    """Per labelled call: peak of its allocator events' running sum less their final sum."""
+    out: dict[tuple, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        key = ran.get(event.name)
+        if key is None:
+            stack.extend(event.children)
+            continue
+        sizes = []
+        inner = [event]
+        while inner:
+            e = inner.pop()
+            size = getattr(e.extra_fields, "alloc_size", None)
+            if size is not None and e.extra_fields.device.type == device.type:
+                sizes.append((e.start_time_ns, len(sizes), int(size)))
+            inner.extend(e.children)
+        running = high = 0
+        for _, _, size in sorted(sizes):
+            running += size
+            high = max(high, running)
+        out[key] = max(0, high - running)
+    return out
+
+
+def joint_device(joint: fx.GraphModule) -> torch.device | None:
+    """The device of the joint graph's tensors (the first one found), or None."""
+    for node in joint.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return None
+
+
+def with_workspace(problem: Problem, fx_names: tuple[tuple[str, ...], ...],
+                   joint: fx.GraphModule) -> Problem:
+    """`problem` with each node's measured workspace (its op is fx_names[i][0])."""
+    device = joint_device(joint)
+    if device is None or device.type == "meta":
+        return problem
+    by_name = {node.name: node for node in joint.graph.nodes}
+    ops = [by_name[names[0]] for names in fx_names if names and names[0] in by_name]
+    found = measure(ops, device)
+    if not found:
+        return problem
+    nodes = tuple(
+        dataclasses.replace(node, workspace_bytes=found.get(names[0], 0)) if names else node
+        for node, names in zip(problem.nodes, fx_names)
+    )
+    log.info("workspace: %d ops allocate transient bytes (largest %d B)", len(found), max(found.values()))
+    return dataclasses.replace(problem, nodes=nodes)

@@ -1,0 +1,99 @@
+"""Op workspace in the memory model: simulate counts it at every step that runs the op,
+and on a conv model the prediction covers what the allocator serves.
+
+Instruments: the allocator (`measure_step_profiler`: every byte the CPU allocator hands
+out, kernel scratch included, what the budget promises) is trusted for "under budget"
+and "prediction never below the measurement"; the tracker (`measure_step`: tensor
+storages only) is trusted only to be at or below the allocator, since workspace is never
+a tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat import zoo
+from remat.errors import InfeasibleBudgetError
+from remat.measure import measure_step, measure_step_profiler
+from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, simulate
+
+
+def _chain_with_workspace(offload: bool) -> Problem:
+    nodes = [
+        Node(name="x", inputs=(), out_bytes=10, phase=Phase.INPUT),
+        Node(name="a", inputs=(0,), out_bytes=100, phase=Phase.FORWARD, workspace_bytes=1000),
+        Node(name="b", inputs=(1,), out_bytes=100, phase=Phase.FORWARD, workspace_bytes=7),
+        Node(name="gb", inputs=(2, 1), out_bytes=100, phase=Phase.BACKWARD, workspace_bytes=50),
+        Node(name="ga", inputs=(3, 1), out_bytes=10, phase=Phase.BACKWARD),
+    ]
+    return Problem(nodes=tuple(nodes), outputs=(4,), budget_bytes=10**6,
+                   offload_bandwidth_bytes_per_s=1e9 if offload else None)
+
+
+@pytest.mark.parametrize("decision", [Decision.SAVE, Decision.RECOMPUTE, Decision.OFFLOAD])
+def test_simulate_counts_workspace_while_the_op_runs(decision):
+    problem = _chain_with_workspace(offload=decision is Decision.OFFLOAD)
+    plan = {1: Decision.SAVE, 2: Decision.SAVE}
+    plan[1] = decision
+    ev = simulate(problem, plan)
+    zero = Problem(nodes=tuple(Node(**{**n.__dict__, "workspace_bytes": 0}) for n in problem.nodes),
+                   outputs=problem.outputs, budget_bytes=problem.budget_bytes,
+                   offload_bandwidth_bytes_per_s=problem.offload_bandwidth_bytes_per_s)
+    base = simulate(zero, plan)
+    for step, with_ws, without in zip(ev.steps, ev.timeline, base.timeline):
+        expected = 0 if step.kind is StepKind.RELOAD else problem.nodes[step.node_id].workspace_bytes
+        assert with_ws - without == expected, step
+    kinds = {s.kind for s in ev.steps if s.node_id == 1}
+    assert (StepKind.RECOMPUTE in kinds) == (decision is Decision.RECOMPUTE)
+    assert ev.peak_bytes == max(ev.timeline)
+
+
+def _step(model, case):
+    torch.manual_seed(0)
+    out = model(*case.args, **case.kwargs)
+    out.loss.backward()
+    return out
+
+
+def _measure(planned, case):
+    register = (case.model, *case.args, *case.kwargs.values())
+    for p in case.model.parameters():
+        p.grad = None
+    allocator = measure_step_profiler(lambda: _step(planned, case), register=register).peak_bytes
+    for p in case.model.parameters():
+        p.grad = None
+    tracker = measure_step(lambda: _step(planned, case), register=register).peak_bytes
+    return allocator, tracker
+
+
+def _floor(case) -> int:
+    with pytest.raises(InfeasibleBudgetError) as info:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, time_limit_s=0.5, measure_workspace=True)
+    return info.value.min_peak_bytes
+
+
+@pytest.mark.parametrize("at", ["100%", pytest.param("floor", marks=pytest.mark.xfail(
+    strict=True, reason="measured: at the floor the allocator reads 1,616,464 B against a "
+    "1,607,400 B budget (+0.56%): an allocation outside any single op that the model does "
+    "not see yet (see /work/notes/issue-12.md)"))])
+def test_conv_model_prediction_covers_the_allocator(at):
+    case = zoo.build("cnn", size="tiny")
+    budget = _floor(case) if at == "floor" else at
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, time_limit_s=0.5,
+                           measure_workspace=True)
+    assert any(n.workspace_bytes for n in planned.problem.nodes)  # im2col scratch was measured
+    allocator, tracker = _measure(planned, case)
+    predicted = planned.predicted_peak_bytes
+    assert allocator <= planned.budget_bytes
+    assert predicted >= allocator and predicted <= allocator * 1.03
+    assert tracker <= allocator
+
+
+def test_without_workspace_the_allocator_exceeds_the_prediction():
+    """The gap the workspace closes (measured: +10.7% at 100% on this model)."""
+    case = zoo.build("cnn", size="tiny")
+    planned = remat.plan(case.model, case.args, case.kwargs, budget="100%", measure_workspace=False)
+    assert not any(n.workspace_bytes for n in planned.problem.nodes)
+    allocator, _ = _measure(planned, case)
+    assert allocator > planned.predicted_peak_bytes
