@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import dist_scenarios
 
-TIMEOUT_S = 300
+TIMEOUT_S = 900  # a backstop only: a hung collective raises after 120 s (init timeout)
 
 
 def _free_port() -> int:
@@ -117,14 +117,10 @@ def test_fsdp2_through_the_compile_backend(ranks):
     assert facts[0]["decisions"] == facts[1]["decisions"]
 
 
-def test_compiled_ddp_plans_every_bucket_graph(ranks):
-    """torch.compile(DDP(model), backend=remat.backend): DDPOptimizer splits the step at
-    bucket boundaries, remat plans each piece under the (per graph) budget, and the
-    gradients are those of the same split without remat (aot_eager), bit for bit."""
-    facts = _facts(ranks, "ddp_compile")
-    for f in facts:
+def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
+    """MixedPrecisionPolicy(param_dtype=bf16): bf16 values recomputed in backward, fp32
+    sharded gradients equal to the same compiled FSDP2 step without remat."""
+    for f in _facts(ranks, "fsdp2_bf16"):
         assert f["grads_equal"]
-        assert len(f["graphs"]) >= 2
-        assert all(predicted <= budget for budget, predicted, _, _ in f["graphs"])
-        assert any(recomputed > 0 for *_, recomputed in f["graphs"])
-    assert facts[0]["graphs"] == facts[1]["graphs"]
+        assert f["grad_dtypes"] == ["torch.float32"]
+        assert "torch.bfloat16" in f["recomputed_dtypes"]

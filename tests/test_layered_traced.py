@@ -4,6 +4,7 @@ stays under the budget."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from configs; never download
@@ -18,6 +19,7 @@ from solvers import Decision, Phase, Status
 from solvers.structure import OUTSIDE
 
 
+@functools.lru_cache(maxsize=None)  # each (model, budget, solver) traced and planned once per session
 def _planned(name: str, budget: str, solver: str) -> tuple[zoo.ModelCase, remat.Planned]:
     case = zoo.build(name)
     return case, remat.plan(case.model, case.args, case.kwargs, budget=budget, solver=solver)
