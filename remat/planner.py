@@ -144,7 +144,8 @@ def _measures_workspace(asked: bool | None, device_speed: Any) -> bool:
     (remat.frontend.workspace) unless planning is fake (a named device's figures given:
     nothing may run there, so every workspace is assumed 0); False or None (default)
     assumes none. Off by default until the model tests measure with the allocator: the
-    tracker they trust cannot see workspace (see /work/notes/issue-12.md)."""
+    tracker they trust cannot see workspace (bench/README.md, "The budget as the
+    allocator counts it")."""
     return bool(asked) and device_speed is None
 
 

@@ -37,7 +37,8 @@ CPSAT_DET_PER_S = 0.2
 """CP-SAT deterministic seconds per nominal second: its deterministic time runs slower
 than CPU time on these models (LP-heavy search). Measured per call on random_dag(100),
 random_dag(300) and transformer(4) under `ilp`, one worker: 0.12-0.38 deterministic
-seconds per CPU second (`/work/notes/issue-12.md`)."""
+seconds per CPU second (each call's CPU time against the deterministic time CP-SAT
+reports for it)."""
 
 
 class WorkClock:

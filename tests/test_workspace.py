@@ -76,7 +76,7 @@ def _floor(case) -> int:
 @pytest.mark.parametrize("at", ["100%", pytest.param("floor", marks=pytest.mark.xfail(
     strict=True, reason="measured: at the floor the allocator reads 1,616,464 B against a "
     "1,607,400 B budget (+0.56%): an allocation outside any single op that the model does "
-    "not see yet (see /work/notes/issue-12.md)"))])
+    "not see yet (bench/README.md, allocator table)"))])
 def test_conv_model_prediction_covers_the_allocator(at):
     case = zoo.build("cnn", size="tiny")
     budget = _floor(case) if at == "floor" else at
