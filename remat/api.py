@@ -240,11 +240,11 @@ def plan(
     no-remat peak ('60%'); it covers the whole forward+backward step. Raises
     `InfeasibleBudgetError` (a RematError) if no plan fits, stating the smallest peak.
 
-    sync_ranks: under torch.distributed, every rank takes rank 0's plan (one all-gather
-    per plan, so every rank must plan); None does so when a process group of more than
-    one rank is initialized. Wrap the result in DDP as the model: `DDP(remat.plan(...))`.
-    A model sharded by FSDP2 is refused (`CompositionError`): compile it with
-    `remat.backend` instead (see `remat.distributed`).
+    sync_ranks: under torch.distributed, every rank takes rank 0's plan (exchanged through
+    the process group's store, so every rank must plan); None does so when a process
+    group of more than one rank is initialized. Wrap the result in DDP as the model:
+    `DDP(remat.plan(...))`. A model sharded by FSDP2 is refused (`CompositionError`):
+    compile it with `remat.backend` instead (see `remat.distributed`).
 
     offload: True lets the planner move activations to host memory between forward and
     backward (below the recompute-only floor); False never; "auto" (default) allows it

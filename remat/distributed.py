@@ -9,7 +9,8 @@ the same graph to different plans, or one rank to none (it raises while its peer
 in their next collective: a hang). And a promise that differs per rank is no promise
 about the step. So when a process group of more than one rank is up, every rank takes
 rank 0's plan (as torch's `_sync_decision_cross_ranks` does for its min-cut), after
-checking that all ranks planned the same graph.
+checking that all ranks planned the same graph. The plans travel through the process
+group's store, never as a collective (see `_exchange`).
 
 What composes in torch 2.13 (measured on CPU gloo, 2 ranks):
 - `DDP(remat.plan(model, ...))`: the planned module's parameters are the model's own,
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
+import pickle
 from typing import Any
 
 import torch
@@ -88,20 +91,13 @@ def problem_fingerprint(problem: Problem) -> str:
 
 
 def agree_on_plan(problem: Problem, plan: Plan) -> Plan:
-    """Rank 0's plan, on every rank of the default process group (one all-gather).
+    """Rank 0's plan, on every rank of the default process group.
 
     Raises `CompositionError` on every rank alike when the ranks planned different
     graphs or budgets (different shapes per rank, a rank-dependent branch): no plan is
     then valid everywhere."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     dist = torch.distributed
-    mine = (problem_fingerprint(problem), _plan_fields(plan))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    # AOTAutograd partitions inside its fake/functional modes; the exchange needs real
-    # tensors (all_gather_object reads the sizes back with .item()).
-    with _disable_current_modes():
-        dist.all_gather_object(gathered, mine)
+    gathered = _exchange((problem_fingerprint(problem), _plan_fields(plan)))
     fingerprints = [fp for fp, _ in gathered]
     if len(set(fingerprints)) != 1:
         differ = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
@@ -114,6 +110,35 @@ def agree_on_plan(problem: Problem, plan: Plan) -> Plan:
     if chosen != plan or chosen.decisions != plan.decisions:
         log.info("remat: rank %d takes rank 0's plan (%s)", dist.get_rank(), chosen.solver)
     return chosen
+
+
+_EXCHANGES = itertools.count()
+"""Exchanges made by this process; every rank plans the same graphs in the same order,
+so the n-th exchange of every rank is about the same graph (the fingerprint checks it)."""
+
+
+def _exchange(mine: Any) -> list[Any]:
+    """Every rank's `mine`, through the process group's key-value store, not through a
+    collective. The plan is exchanged while the partitioner runs inside a compile, and
+    that compile can sit between the collectives of the step (FSDP2's all-gathers,
+    DDP's buckets, their async work in flight): a collective there would have to match
+    every rank's collective sequence exactly. A store key cannot be mismatched with a
+    collective, and a rank that never publishes makes its peers fail with the store's
+    timeout instead of hanging."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    dist = torch.distributed
+    store = _get_default_store()
+    key = f"remat/plan/{next(_EXCHANGES)}"
+    store.set(f"{key}/{dist.get_rank()}", pickle.dumps(mine))
+    try:
+        return [pickle.loads(store.get(f"{key}/{rank}")) for rank in range(dist.get_world_size())]
+    except RuntimeError as e:  # DistStoreError: a rank did not publish in time
+        raise CompositionError(
+            f"rank {dist.get_rank()} waited for the other ranks' plans ({key}) past the "
+            f"process group's timeout ({e}); every rank must compile the same graphs in "
+            "the same order"
+        ) from e
 
 
 def _plan_fields(plan: Plan) -> dict[str, Any]:
