@@ -33,7 +33,7 @@ from remat import zoo
 from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step
-from solvers import Status
+from solvers import Status, solve
 
 SOLVER = "chen-greedy"
 # (solver, budget): chen-greedy across the budgets; the two extremes where they fit.
@@ -334,7 +334,13 @@ def test_flops_grow_as_budget_shrinks(name):
     assert greedy[0][1] == "100%" and greedy[-1][1] == "min"
     base = eager_flops(name, entry(name, SOLVER, "100%").case)
     assert greedy[0][3] == base
-    for (_, b1, p1, f1), (_, b2, p2, f2) in zip(greedy, greedy[1:]):
+    # The chain compares chen-greedy's own answers. Where chen-greedy finds no plan that
+    # fits (at "min", the floor), the planner falls back to the floor plan
+    # (remat.floor.at_the_floor), which comes from another search and can rerun fewer
+    # FLOPs than chen-greedy's plan at a larger budget (measured on vit in CI).
+    own = [r for r in greedy if solve(r[2].step.graph_problem.problem, SOLVER).status is not Status.INFEASIBLE]
+    assert own[0] is greedy[0]
+    for (_, b1, p1, f1), (_, b2, p2, f2) in zip(own, own[1:]):
         assert f2 >= f1, f"budget {b2} ({p2.budget_bytes} B) used {f2} FLOPs < {f1} at {b1}"
     smallest = greedy[-1][2]
     if recomputes_flop_op(smallest):
