@@ -1,7 +1,9 @@
-"""Hypothesis profiles: "dev" (default) and "ci" (derandomized), picked by the CI env var."""
+"""Hypothesis profiles: "dev" (default) and "ci" (derandomized), picked by the CI env var;
+the `one_thread` fixture."""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # deadline=None: simulate's timing varies with machine load; examples are bounded by
@@ -11,3 +13,16 @@ settings.register_profile(
     "ci", deadline=None, derandomize=True, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one intra-op thread: on a loaded 2-core machine a
+    64x64 matmul took 20 ms with 2 OpenMP threads and 3 us with 1 (measured). A module
+    uses it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch  # here, not at import: the solver tests never need torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -62,14 +62,7 @@ def _params(keys, *bugs: dict):
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one intra-op thread: on a loaded 2-core machine a
-    64x64 matmul took 20 ms with 2 OpenMP threads and 3 us with 1 (measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # --- planning, once per key ------------------------------------------------------------

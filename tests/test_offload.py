@@ -22,12 +22,7 @@ from solvers import Decision
 PEAK_TOLERANCE = 0.03
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _floor(case: zoo.ModelCase) -> InfeasibleBudgetError:

@@ -47,12 +47,7 @@ def _batch(length: int):
     return torch.randint(0, 50, (4, length), generator=g), torch.randint(0, 50, (4, length), generator=g)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
