@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import fx
@@ -22,7 +23,8 @@ from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
-from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
+from solvers.base import finish
 
 log = logging.getLogger(__name__)
 STAGE = "remat_stage"
@@ -61,8 +63,15 @@ class Partitioner:
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
-                 device_speed: costs.DeviceSpeed | None = None) -> None:
+                 device_speed: costs.DeviceSpeed | None = None,
+                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False) -> None:
         self.num_params = num_params
+        self.budget_for = budget_for
+        """The budget in bytes given this graph's no-remat peak, instead of resolving
+        `budget` against it (the whole-step ledger's share, `runtime.ledger`)."""
+        self.best_effort = best_effort
+        """Run at the floor instead of refusing when no plan fits (the ledger's first
+        step, which cannot know the rest of the step yet)."""
         self.sync_ranks = sync_ranks
         """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
         group of more than one rank is initialized."""
@@ -106,7 +115,8 @@ class Partitioner:
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
-        budget_bytes = resolve_budget(self.budget, baseline)
+        budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
+                        else resolve_budget(self.budget, baseline))
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
@@ -114,7 +124,9 @@ class Partitioner:
                   extra={STAGE: "solve"})
         plan = solve_with_floor(gp.problem, self.solver, options)
         refusal = None
-        if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
+        if plan.status is Status.INFEASIBLE and self.best_effort:
+            plan = lowest_found(gp.problem, plan)
+        elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
                                          baseline_bytes=baseline, offload=self.offload)
         if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
@@ -137,6 +149,14 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+
+def lowest_found(problem: Problem, failed: Plan) -> Plan:
+    """Without the floor search (seconds of ILP per graph): the lower-peak plan of the
+    failed solve's and recompute-everything, as a plan that fits at its own peak."""
+    everything = solve(problem.with_budget(0), "all")
+    best = min((failed, everything), key=lambda p: (p.peak_bytes, p.objective_s))
+    return finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)
 
 
 def _measures_workspace(asked: bool | None, device_speed: Any) -> bool:

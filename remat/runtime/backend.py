@@ -22,10 +22,14 @@ What inductor may change after the partition, and what remat pins:
   0.0156 measured), so the gradients would depend on which values remat recomputed. With
   it, every plan gives the same gradients as saving everything under inductor.
 
-The budget is a promise per captured graph: a model that compiles to one graph
-(`fullgraph=True`) gets the same guarantee as `remat.plan`; with graph breaks each graph
-is planned under the same budget (a percentage: of that graph's own no-remat peak), and
-the summary says so. Unlike `remat.plan`, every differentiable output of the graph gets a
+The budget is a promise for the whole step (`remat.runtime.ledger`): when dynamo splits
+the step into several graphs (graph breaks, DDPOptimizer's buckets, FSDP2's wrapped
+modules), each graph call is planned under the budget minus what is live outside it
+(earlier graphs' saved activations, tensors crossing graph boundaries, the other graphs'
+parameters and gradients), and after the first step the budget is split among the calls
+(`remat.runtime.split`; a percentage is of the whole step's no-remat peak). A model that
+compiles to one graph gets the same guarantee as `remat.plan`. `whole_step=False` plans
+each graph on its own under the same budget (a percentage: of that graph's own peak). Unlike `remat.plan`, every differentiable output of the graph gets a
 gradient input (dynamo's graph does not know which output is the loss).
 
 Caches: by default remat's compiles bypass inductor's FX-graph cache and AOTAutograd's
@@ -54,6 +58,8 @@ from remat.frontend import costs
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
+from remat.runtime.ledger import StepLedger
+from remat.runtime.step_graph import LedgeredGraph
 from solvers import SOLVERS
 
 COMPILERS = ("inductor", "eager")
@@ -71,7 +77,7 @@ class RematBackend:
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
-                 **options: Any) -> None:
+                 whole_step: bool = True, **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -89,6 +95,10 @@ class RematBackend:
         self.inductor_options = dict(inductor_options or {})
         self.options = dict(options)
         self.sync_ranks = sync_ranks
+        self.whole_step = whole_step
+        self.ledger = StepLedger(budget, solver=solver, options=self.options)
+        """What the step's graphs hold while each runs (`remat.runtime.ledger`)."""
+        self._graphs = 0
         self.steps: list[PlannedStep] = []
         self.measured: Any = None
         """The last `measure(...)` (a `remat.measure.MemoryMeasurement`), or None."""
@@ -103,9 +113,29 @@ class RematBackend:
                 "remat.backend(cache=True) under torch.distributed: a rank that hits torch's "
                 "compile cache skips planning while its peers wait for it in the plan exchange "
                 "(a hang); use cache=False (the default) or sync_ranks=False")
+        if self.whole_step and not _symbolic(gm):
+            graph = LedgeredGraph(self._graphs, self.ledger, functools.partial(
+                self._compile, gm, mode=mode, options=options), on_step=self.steps.append)
+            self._graphs += 1
+            try:
+                return graph.start(example_inputs)
+            except RematError as e:
+                raise passthrough(e) from None
+        compiled, step = self._compile(gm, example_inputs, mode=mode, options=options)
+        if step is not None:
+            self.steps.append(step)
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False, *,
+                 mode: str | None = None, options: dict[str, Any] | None = None
+                 ) -> tuple[Callable[..., Any], PlannedStep | None]:
+        """One compile of `gm`: the callable and what remat planned (None when torch's
+        cache served it or AOTAutograd made no backward)."""
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
-                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks)
+                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks,
+                                  budget_for=budget_for, best_effort=best_effort)
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -117,11 +147,9 @@ class RematBackend:
             if error is not None:
                 raise passthrough(error) from None
             raise
-        if partitioner.step is not None:
-            self.steps.append(partitioner.step)
-        else:
+        if partitioner.step is None:
             self.cache_hits += 1
-        return compiled
+        return compiled, partitioner.step
 
     def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
                          partitioner: Partitioner) -> dict[str, Any]:
@@ -152,15 +180,19 @@ class RematBackend:
                     "plan them in this process; build the backend with cache=False (the default) "
                     "for a report")
             raise RematError("nothing planned yet: run the compiled model under autograd first")
-        head = (f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
+        step_wide = self.whole_step and self.ledger.predicted_step_bytes is not None
+        head = (self.ledger.describe() if self.whole_step and len(self.steps) > 1 else
+                f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
                 "each planned on its own" if len(self.steps) > 1 else "")
         compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
         if self.measured is not None:
-            predicted = sum(step.evaluation.peak_bytes for step in self.steps)
+            predicted = (self.ledger.predicted_step_bytes if step_wide
+                         else sum(step.evaluation.peak_bytes for step in self.steps))
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
-                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
-            budget = sum(step.budget_bytes for step in self.steps)
+                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
+            budget = (self.ledger.budget_bytes if step_wide
+                      else sum(step.budget_bytes for step in self.steps))
             if self.measured.peak_bytes > budget:
                 compiled += (f"\nWARNING: the measured peak is {format_bytes(self.measured.peak_bytes - budget)} "
                              "over the budget: what inductor ran differs from remat's op-by-op model "
@@ -186,7 +218,8 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     compiler: "inductor" (default; fused kernels) or "eager" (remat's graphs op by op,
     bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
     `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
-    see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
+    see the module docstring). mode / inductor_options: as `torch.compile`'s. whole_step:
+    one budget for the whole step across its graphs (default) or per graph. sync_ranks:
     as `remat.plan`'s (rank 0's plan on every rank). Other keyword arguments go to the
     solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
@@ -226,6 +259,15 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
     only this backend needs it)."""
     return _partitioner_class()(partitioner, uuid)
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether the graph has symbolic sizes (dynamic shapes): a plan's bytes are then
+    those of the size it was traced at, so the ledger cannot add them up per step."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    return any(free_symbols(n.meta.get("example_value")) for n in gm.graph.nodes
+               if n.op == "placeholder" and n.meta.get("example_value") is not None)
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
