@@ -30,8 +30,10 @@ def partition(
     evaluation: Evaluation,
     *,
     num_fwd_outputs: int,
+    custom_offload_ops: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward modules of `plan` (whose simulation is `evaluation`)."""
+    """The forward and backward modules of `plan` (whose simulation is `evaluation`).
+    custom_offload_ops: offload through torch.library ops (graphs inductor compiles)."""
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
@@ -51,7 +53,8 @@ def partition(
     _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
     rank = _backward_rank(graph_problem, evaluation)
-    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank))
+    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank,
+                                custom_ops=custom_offload_ops))
     _reorder(bw, rank)
     fw.graph.lint()
     bw.graph.lint()
