@@ -66,8 +66,12 @@ class Partitioner:
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
-                 device_speed: costs.DeviceSpeed | None = None) -> None:
+                 device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False) -> None:
         self.num_params = num_params
+        self.sum_gradients_in_place = sum_gradients_in_place
+        """Run a parameter's gradient sum in place into one operand, as eager autograd
+        does (`remat.frontend.accumulate`); for the eager runtime (inductor does its own
+        buffer reuse)."""
         self.sync_ranks = sync_ranks
         """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
         group of more than one rank is initialized."""
@@ -103,7 +107,8 @@ class Partitioner:
         cost_s = costs.cost_function(self.cost_model, speed)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
-                           param_indices=tuple(param_indices) if param_indices else None)
+                           param_indices=tuple(param_indices) if param_indices else None,
+                           sum_gradients_in_place=self.sum_gradients_in_place)
         options = {k: v for k, v in self.options.items() if k != "measure_workspace"}
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
