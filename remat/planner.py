@@ -54,6 +54,10 @@ class PlannedStep:
     timings: PlanTimings
     library_trace_path: str = ""
     """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
+    fusion_margin_bytes: int = 0
+    """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
+    (inductor's own estimate, `remat.runtime.inductor_estimate`); the plan was made to fit
+    `budget_bytes` with this margin. 0 elsewhere."""
 
 
 class Partitioner:

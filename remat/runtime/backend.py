@@ -155,7 +155,7 @@ class RematBackend:
         patches.update(options or {})
         patches.update(PINNED_INDUCTOR_CONFIG)
         patches.update(fusion_passes(self.fusion, self.fusion_estimates))
-        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid())
+        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid(), fusion=self.fusion)
         if not self.cache:
             patches["fx_graph_cache"] = False
         return patches
@@ -186,9 +186,11 @@ class RematBackend:
                              f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
                              for e in self.fusion_estimates))
         if self.measured is not None:
-            predicted = sum(step.evaluation.peak_bytes for step in self.steps)
+            predicted = sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps)
+            margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
+                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
             budget = sum(step.budget_bytes for step in self.steps)
             if self.measured.peak_bytes > budget:
@@ -235,12 +237,17 @@ def _partitioner_class() -> type:
         object itself (its plan record must reach the backend), and it pickles as its uuid
         (the planner state holds fx graphs and is not part of what the plan depends on)."""
 
-        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...]) -> None:
+        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...], fusion: str | None = None) -> None:
             self.partitioner = partitioner
             self._uuid = uuid
+            self.fusion = fusion
 
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            return self.partitioner(gm, joint_inputs, **kwargs)
+            if self.fusion is None:
+                return self.partitioner(gm, joint_inputs, **kwargs)
+            from remat.runtime.inductor_estimate import plan_under_fusion
+
+            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
 
         def uuid(self) -> tuple[str, ...]:
             return self._uuid
@@ -254,10 +261,11 @@ def _partitioner_class() -> type:
     return _RematPartitionerFn
 
 
-def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
+def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
-    only this backend needs it)."""
-    return _partitioner_class()(partitioner, uuid)
+    only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
+    of what fusion of that kind adds (`remat.runtime.inductor_estimate`); None: plan once."""
+    return _partitioner_class()(partitioner, uuid, fusion)
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):
