@@ -169,7 +169,7 @@ class Planned(nn.Module):
         from remat.runtime.backend import RematBackend
 
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          **self.options)
+                          offload=self.offload, **self.options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 

@@ -54,6 +54,10 @@ class PlannedStep:
     timings: PlanTimings
     library_trace_path: str = ""
     """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
+    fusion_margin_bytes: int = 0
+    """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
+    (inductor's own estimate, `remat.runtime.inductor_estimate`); the plan was made to fit
+    `budget_bytes` with this margin. 0 elsewhere."""
 
 
 class Partitioner:
@@ -62,7 +66,8 @@ class Partitioner:
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
-                 device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False) -> None:
+                 device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
+                 compiled_offload: bool = False) -> None:
         self.num_params = num_params
         self.sum_gradients_in_place = sum_gradients_in_place
         """Run a parameter's gradient sum in place into one operand, as eager autograd
@@ -73,6 +78,9 @@ class Partitioner:
         group of more than one rank is initialized."""
         self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
         self.offload = offload
+        self.compiled_offload = compiled_offload
+        """Inductor compiles the result: offload through custom ops, reloads not
+        prefetched (they wait in place there; remat/runtime/offload_ops.py)."""
         # None: measure this machine (outside any fake mode); fake-tensor planning passes a
         # named device's figures, since nothing may run there.
         self.device_speed = device_speed
@@ -127,7 +135,7 @@ class Partitioner:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
             plan = prefer_fused_recompute(joint, gp, plan, speed)
-        if plan.status is not Status.INFEASIBLE:  # reloads early where the budget allows
+        if plan.status is not Status.INFEASIBLE and not self.compiled_offload:  # reloads early
             plan = prefetch(gp.problem, plan)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
@@ -136,7 +144,8 @@ class Partitioner:
         t_solved = time.perf_counter()
         log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
-        fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
+        fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs,
+                           custom_offload_ops=self.compiled_offload)
         t_done = time.perf_counter()
         self.step = PlannedStep(
             graph_problem=gp, plan=plan, evaluation=evaluation, baseline_peak_bytes=baseline,

@@ -56,6 +56,7 @@ from remat import distributed
 from remat.budget import check_budget_syntax, format_bytes
 from remat.errors import CompositionError, RematError, UnknownSolverError
 from remat.frontend import costs
+from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -77,7 +78,7 @@ class RematBackend:
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
-                 fusion: str = "neighbours", **options: Any) -> None:
+                 fusion: str = "neighbours", offload: bool | str = "auto", **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -88,6 +89,8 @@ class RematBackend:
         if fusion not in FUSION_MODES:
             raise RematError(f"unknown fusion={fusion!r}; valid: {list(FUSION_MODES)}")
         check_budget_syntax(budget)
+        check_offload(offload)
+        self.offload = offload
         self.budget = budget
         self.fusion = fusion
         self.solver = solver
@@ -116,7 +119,9 @@ class RematBackend:
                 "(a hang); use cache=False (the default) or sync_ranks=False")
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
-                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks)
+                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks,
+                                  offload=self.offload, compiled_offload=self.compiler == "inductor",
+                                  offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs))
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -134,6 +139,13 @@ class RematBackend:
             self.cache_hits += 1
         return compiled
 
+    def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
+        """The link bandwidth offload may use for this graph's device, or None (off)."""
+        if self.offload is False:
+            return None
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        return resolve_bandwidth(self.offload, offload_device(tensors, self.offload))
+
     def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
                          partitioner: Partitioner) -> dict[str, Any]:
         from torch._inductor import list_mode_options
@@ -143,7 +155,7 @@ class RematBackend:
         patches.update(options or {})
         patches.update(PINNED_INDUCTOR_CONFIG)
         patches.update(fusion_passes(self.fusion, self.fusion_estimates))
-        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid())
+        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid(), fusion=self.fusion)
         if not self.cache:
             patches["fx_graph_cache"] = False
         return patches
@@ -152,7 +164,7 @@ class RematBackend:
         """Everything a plan depends on besides the graph and its input shapes (which
         torch's cache key holds already)."""
         return (
-            "remat", _source_hash(), repr(self.budget), self.solver,
+            "remat", _source_hash(), repr(self.budget), self.solver, repr(self.offload),
             repr(sorted(self.options.items())), self.cost_model, _device_fingerprint(),
             f"fusion={self.fusion}",
         )
@@ -174,9 +186,11 @@ class RematBackend:
                              f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
                              for e in self.fusion_estimates))
         if self.measured is not None:
-            predicted = sum(step.evaluation.peak_bytes for step in self.steps)
+            predicted = sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps)
+            margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
+                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
             budget = sum(step.budget_bytes for step in self.steps)
             if self.measured.peak_bytes > budget:
@@ -205,8 +219,10 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
     `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
     see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
-    as `remat.plan`'s (rank 0's plan on every rank). Other keyword arguments go to the
-    solver."""
+    as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":
+    on CUDA only); under inductor the store and reload are custom ops
+    (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). Other keyword
+    arguments go to the solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
 
@@ -221,12 +237,17 @@ def _partitioner_class() -> type:
         object itself (its plan record must reach the backend), and it pickles as its uuid
         (the planner state holds fx graphs and is not part of what the plan depends on)."""
 
-        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...]) -> None:
+        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...], fusion: str | None = None) -> None:
             self.partitioner = partitioner
             self._uuid = uuid
+            self.fusion = fusion
 
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            return self.partitioner(gm, joint_inputs, **kwargs)
+            if self.fusion is None:
+                return self.partitioner(gm, joint_inputs, **kwargs)
+            from remat.runtime.inductor_estimate import plan_under_fusion
+
+            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
 
         def uuid(self) -> tuple[str, ...]:
             return self._uuid
@@ -240,10 +261,11 @@ def _partitioner_class() -> type:
     return _RematPartitionerFn
 
 
-def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...]) -> Any:
+def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
-    only this backend needs it)."""
-    return _partitioner_class()(partitioner, uuid)
+    only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
+    of what fusion of that kind adds (`remat.runtime.inductor_estimate`); None: plan once."""
+    return _partitioner_class()(partitioner, uuid, fusion)
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):

@@ -119,9 +119,11 @@ def _pass_classes() -> tuple[type, type]:
             return nodes
 
     class AfterFusion(_Shared):
-        def __init__(self, uuid: str, record: list[Any], *, before: BeforeFusion) -> None:
+        def __init__(self, uuid: str, record: list[Any], *, before: BeforeFusion,
+                     stop: type[Exception] | None = None) -> None:
             super().__init__(uuid, record)
             self.before = before
+            self.stop = stop
 
         def __call__(self, nodes: list[Any]) -> list[Any]:
             from torch._inductor.virtualized import V
@@ -131,19 +133,22 @@ def _pass_classes() -> tuple[type, type]:
                 graph = "backward" if V.graph.is_backward else "forward"
                 self.record.append(FusionEstimate(graph=graph, before_fusion_bytes=before,
                                                   after_fusion_bytes=_estimate_bytes(nodes)))
+            if self.stop is not None:
+                raise self.stop  # an estimate only (remat.runtime.inductor_estimate)
             return nodes
 
     return BeforeFusion, AfterFusion
 
 
-def fusion_passes(mode: str, record: list[Any]) -> dict[str, Any]:
+def fusion_passes(mode: str, record: list[Any], *, stop: type[Exception] | None = None) -> dict[str, Any]:
     """Inductor config entries installing the fusion rule of `mode` (see FUSION_MODES)
-    and appending a `FusionEstimate` to `record` for every graph compiled."""
+    and appending a `FusionEstimate` to `record` for every graph compiled; `stop`: raised
+    right after fusion (to estimate without generating code)."""
     before_cls, after_cls = _pass_classes()
     uuid = f"remat-fusion-{mode}"
     before = before_cls(uuid, record, restrict=mode == "neighbours")
     return {"_pre_fusion_custom_pass": before,
-            "_post_fusion_custom_pass": after_cls(uuid, record, before=before)}
+            "_post_fusion_custom_pass": after_cls(uuid, record, before=before, stop=stop)}
 
 
 __all__ = ["FUSION_MODES", "FusionEstimate", "fusion_passes"]
