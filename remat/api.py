@@ -138,7 +138,8 @@ class Planned(nn.Module):
         partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
                                    options=self.options, started_s=started, sync_ranks=self.sync_ranks,
                                    offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
-                                   device_speed=self.__dict__["_remat_device_speed"])
+                                   device_speed=self.__dict__["_remat_device_speed"],
+                                   replay_rng=self.options.get("replay_rng", True))
         try:
             traced = compile_joint(flat, signature.tensors(args, kwargs), partitioner, user_model=self.model)
         except Exception:
@@ -164,8 +165,9 @@ class Planned(nn.Module):
         so the budget covers the whole step."""
         from remat.runtime.backend import RematBackend
 
+        options = {k: v for k, v in self.options.items() if k != "replay_rng"}  # eager runtime's
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          **self.options)
+                          **options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 
