@@ -24,6 +24,7 @@ from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from solvers.prefetch import prefetch
 
 log = logging.getLogger(__name__)
 STAGE = "remat_stage"
@@ -133,6 +134,8 @@ class Partitioner:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
             plan = prefer_fused_recompute(joint, gp, plan, speed)
+        if plan.status is not Status.INFEASIBLE:  # reloads early where the budget allows
+            plan = prefetch(gp.problem, plan)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:

@@ -36,8 +36,8 @@ class Seq(nn.Module):
         h = self.emb(ids)
         for block in self.blocks:
             h = h + block(h)
-        # BatchNorm over the flattened tokens (over a transposed (B, D, T) view the
-        # planned step fails on main with "view size is not compatible", any solver)
+        # BatchNorm over the flattened tokens (a transposed (B, D, T) view is
+        # tests/test_layouts.py's model; the floors above are measured for this one)
         h = self.norm(h.flatten(0, 1))
         return nn.functional.cross_entropy(self.head(h), labels.flatten())
 

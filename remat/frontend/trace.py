@@ -206,7 +206,9 @@ def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tenso
          partition_fn: Partitioner):
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    with _record_module_locations(user_model):
+    from remat.frontend.layouts import eager_cpu_layouts
+
+    with _record_module_locations(user_model), eager_cpu_layouts():
         return aot_module_simplified(
             module,
             list(tensors),

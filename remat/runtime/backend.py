@@ -235,9 +235,16 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitione
     # "expected same # of fw and bw compiles, but found bucket -1").
     from torch._dynamo.backends.common import aot_autograd
 
+    from remat.frontend.layouts import eager_cpu_layouts
+
     compiler = aot_autograd(fw_compiler=boxed_eager_compiler, bw_compiler=boxed_eager_compiler,
                             partition_fn=partitioner)
-    return compiler(gm, list(example_inputs))
+    from torch._guards import detect_fake_mode
+
+    # the traced views must be the ones eager's layouts allow (dynamo's fake mode
+    # is the one AOTAutograd traces with, and it may have cached torch's layouts)
+    with eager_cpu_layouts(detect_fake_mode(list(example_inputs))):
+        return compiler(gm, list(example_inputs))
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
