@@ -256,6 +256,11 @@ def plan(
     once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans
     for another device).
 
+    Random ops (dropout) may be recomputed: the forward saves the generator state read
+    just before each (5,056 bytes on CPU) and backward replays it, bit for bit, leaving
+    the global random stream where eager leaves it; the planner weighs that against
+    saving the mask and output. `replay_rng=False` (an option) always saves them.
+
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The
     budget is checked here, before anything runs; gradients then match eager up to
