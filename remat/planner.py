@@ -55,6 +55,10 @@ class PlannedStep:
     timings: PlanTimings
     library_trace_path: str = ""
     """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
+    fusion_margin_bytes: int = 0
+    """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
+    (inductor's own estimate, `remat.runtime.inductor_estimate`); the plan was made to fit
+    `budget_bytes` with this margin. 0 elsewhere."""
 
 
 class Partitioner:
@@ -63,8 +67,13 @@ class Partitioner:
     def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
-                 device_speed: costs.DeviceSpeed | None = None, replay_rng: bool = False) -> None:
+                 device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
+                 replay_rng: bool = False) -> None:
         self.num_params = num_params
+        self.sum_gradients_in_place = sum_gradients_in_place
+        """Run a parameter's gradient sum in place into one operand, as eager autograd
+        does (`remat.frontend.accumulate`); for the eager runtime (inductor does its own
+        buffer reuse)."""
         self.replay_rng = replay_rng
         """Random ops may be recomputed from a saved generator state
         (`remat.frontend.random_ops`); else they are always saved. The eager runtime
@@ -109,7 +118,8 @@ class Partitioner:
             cost_s = replayable.costs(cost_s)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
-                           param_indices=tuple(param_indices) if param_indices else None)
+                           param_indices=tuple(param_indices) if param_indices else None,
+                           sum_gradients_in_place=self.sum_gradients_in_place)
         options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng")}
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))

@@ -18,6 +18,7 @@ from torch import fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from remat.errors import UnsupportedGraphError
+from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
 from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
@@ -52,6 +53,7 @@ def partition(
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
+    sum_in_place(bw, dict(graph_problem.in_place_sums))  # as the problem models them
     rank = _backward_rank(graph_problem, evaluation)
     rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank))
     _reorder(bw, rank)
