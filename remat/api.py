@@ -171,7 +171,7 @@ class Planned(nn.Module):
 
         options = {k: v for k, v in self.options.items() if k != "replay_rng"}  # eager runtime's
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          **options)
+                          offload=self.offload, **options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 

@@ -68,7 +68,7 @@ class Partitioner:
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
                  device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
-                 replay_rng: bool = False) -> None:
+                 compiled_offload: bool = False, replay_rng: bool = False) -> None:
         self.num_params = num_params
         self.sum_gradients_in_place = sum_gradients_in_place
         """Run a parameter's gradient sum in place into one operand, as eager autograd
@@ -84,6 +84,9 @@ class Partitioner:
         group of more than one rank is initialized."""
         self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
         self.offload = offload
+        self.compiled_offload = compiled_offload
+        """Inductor compiles the result: offload through custom ops, reloads not
+        prefetched (they wait in place there; remat/runtime/offload_ops.py)."""
         # None: measure this machine (outside any fake mode); fake-tensor planning passes a
         # named device's figures, since nothing may run there.
         self.device_speed = device_speed
@@ -144,7 +147,7 @@ class Partitioner:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
             plan = prefer_fused_recompute(joint, gp, plan, speed)
-        if plan.status is not Status.INFEASIBLE:  # reloads early where the budget allows
+        if plan.status is not Status.INFEASIBLE and not self.compiled_offload:  # reloads early
             plan = prefetch(gp.problem, plan)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
@@ -153,7 +156,8 @@ class Partitioner:
         t_solved = time.perf_counter()
         log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
-        fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs)
+        fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs,
+                           custom_offload_ops=self.compiled_offload)
         t_done = time.perf_counter()
         self.step = PlannedStep(
             graph_problem=gp, plan=plan, evaluation=evaluation, baseline_peak_bytes=baseline,

@@ -32,8 +32,10 @@ def partition(
     evaluation: Evaluation,
     *,
     num_fwd_outputs: int,
+    custom_offload_ops: bool = False,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward modules of `plan` (whose simulation is `evaluation`)."""
+    """The forward and backward modules of `plan` (whose simulation is `evaluation`).
+    custom_offload_ops: offload through torch.library ops (graphs inductor compiles)."""
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
@@ -55,7 +57,8 @@ def partition(
     _check_recomputed(bw, graph_problem, evaluation)
     sum_in_place(bw, dict(graph_problem.in_place_sums))  # as the problem models them
     rank = _backward_rank(graph_problem, evaluation)
-    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank))
+    rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank,
+                                custom_ops=custom_offload_ops))
     _reorder(bw, rank)
     rng.eager_forward(fw)  # last: fw's saved outputs are matched by name above
     fw.graph.lint()
