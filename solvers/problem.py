@@ -216,8 +216,9 @@ class Problem:
         return max(0.0, self.transfer_s(i) - self.store_overlap_s[i])
 
     def reload_s(self, i: int) -> float:
-        """Exposed seconds of reloading value i: the reload is issued just before its
-        first backward reader (no prefetch, so no extra memory), which waits for it."""
+        """Exposed seconds of reloading value i in the canonical schedule: the reload is
+        issued just before its first backward reader (no prefetch, so no extra memory),
+        which waits for it. (Explicit schedules may issue it earlier: simulate.py.)"""
         return self.transfer_s(i)
 
     @functools.cached_property
@@ -308,7 +309,9 @@ class Evaluation:
     offload_bytes: int
     offload_s: float
     """Exposed transfer seconds: each store's copy minus the forward compute it overlaps
-    (`Problem.store_s`), plus each reload in full (`Problem.reload_s`)."""
+    (`Problem.store_s`), plus each reload in full (`Problem.reload_s`), or, under an
+    explicit schedule, what the backward waits for its reloads (prefetched ones overlap
+    the backward steps before their reader; see simulate.py)."""
     steps: tuple[Step, ...]
     timeline: tuple[int, ...]
     """Live device bytes while each step runs (its inputs and its output allocated, plus

@@ -21,7 +21,10 @@ Canonical schedule (used when a plan has no explicit one):
 
 An explicit schedule (Plan.schedule) replaces step 3: backward ids once each in any
 order their inputs allow, forward ids wherever they are recomputed (RECOMPUTE) or
-reloaded (OFFLOAD), as often as wanted; a read binds to the newest instance.
+reloaded (OFFLOAD), as often as wanted; a read binds to the newest instance. A reload
+scheduled early (prefetched, solvers/prefetch.py) holds its bytes from its step on, and
+its copy overlaps the backward steps between it and its first reader
+(`_exposed_reload_s`); written out in canonical order, it prices as the canonical one.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def evaluate(
         steps += _canonical_backward(problem, decisions)
     else:
         steps += _explicit_backward(problem, decisions, schedule)
-    return _account(problem, decisions, steps)
+    return _account(problem, decisions, steps, explicit=schedule is not None)
 
 
 def _check_decisions(problem: Problem, decisions: Mapping[int, Decision]) -> None:
@@ -173,7 +176,37 @@ def _explicit_backward(
     return steps
 
 
-def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[Step]) -> Evaluation:
+def _exposed_reload_s(problem: Problem, steps: Sequence[Step]) -> float:
+    """Seconds the backward waits for reloads under an explicit schedule.
+
+    The copies run one after another over the link in schedule order, each from when it
+    is issued or the link frees up; the first step that reads a reloaded value waits for
+    its copy. The clock the copies hide behind advances by the BACKWARD steps only:
+    recompute steps are not counted (an under-count, so the price is an upper bound),
+    which makes the canonical order, where only recomputes sit between a reload and its
+    reader, price exactly as `Problem.reload_s` (each copy waited for in full)."""
+    nodes = problem.nodes
+    clock = link_free = waited = 0.0
+    pending: dict[int, float] = {}  # reloaded node -> when its copy is done
+    for step in steps:
+        i = step.node_id
+        if step.kind is StepKind.FORWARD:
+            continue
+        if step.kind is StepKind.RELOAD:
+            link_free = max(clock, link_free) + problem.transfer_s(i)
+            pending[i] = link_free
+            continue
+        ready = max((pending.pop(j) for j in nodes[i].inputs if j in pending), default=clock)
+        if ready > clock:
+            waited += ready - clock
+            clock = ready
+        if step.kind is StepKind.BACKWARD:
+            clock += nodes[i].compute_s
+    return waited
+
+
+def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[Step],
+             *, explicit: bool = False) -> Evaluation:
     """Bind reads to instances, find last uses, sweep the live bytes."""
     nodes = problem.nodes
     n_steps = len(steps)
@@ -203,7 +236,8 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         node = nodes[i]
         if step.kind is StepKind.RELOAD:
             transfer_bytes += node.out_bytes
-            offload_s += problem.reload_s(i)
+            if not explicit:
+                offload_s += problem.reload_s(i)
         else:
             for j in node.inputs:
                 inst = newest[j]
@@ -225,6 +259,8 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
             offload_bytes += node.out_bytes
             offload_s += problem.store_s(i)
     transfer_bytes += offload_bytes
+    if explicit:
+        offload_s += _exposed_reload_s(problem, steps)
     for i in problem.outputs:
         inst_end[newest[i]] = forever
 

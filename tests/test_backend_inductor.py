@@ -223,7 +223,8 @@ def test_bf16_autocast_gradients_do_not_depend_on_the_plan():
     plan that recomputes and one that saves everything give the same bits; without it
     inductor keeps the fused value in fp32 (measured on this model: max gradient
     difference 4.9e-4, /tmp experiment in the notes)."""
-    saving, saved_grads = _bf16_grads("100%", "eager")  # eager costs: nothing recomputed
+    # eager costs and room for fusion's margin (remat.runtime.inductor_estimate): nothing recomputed
+    saving, saved_grads = _bf16_grads("150%", "eager")
     recomputing, recomputed_grads = _bf16_grads("80%", "compiled")
     assert not saving.evaluation.recomputed_ids
     assert recomputing.evaluation.recomputed_ids

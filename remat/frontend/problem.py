@@ -24,6 +24,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
+from remat.frontend.accumulate import in_place_operand
 from remat.frontend.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
 from solvers import Node, Phase, Problem
 
@@ -42,6 +43,9 @@ class GraphProblem:
     """Per problem id: 'file:line' of the user code that made it, or ''."""
     never_replay: Mapping[int, str]
     """Problem ids that must not be recomputed, with the reason."""
+    in_place_sums: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Gradient sums (fx name of an `add`) modelled as written into one operand (its
+    position), which the rewriter must run as `add_` (`remat.frontend.accumulate`)."""
 
 
 @dataclasses.dataclass
@@ -66,15 +70,19 @@ def build_problem(
     budget_bytes: int,
     cost_s: Callable[[fx.Node], float],
     param_indices: Collection[int] | None = None,
+    sum_gradients_in_place: bool = False,
 ) -> GraphProblem:
     """The planning problem of `joint`. Parameters and buffers are the primals at
     `param_indices` (positions among all primals, SymInts included: under torch.compile
     dynamo interleaves them with user inputs and AOTAutograd names them in
-    `static_lifetime_input_indices`); without it, the first `num_params` primals."""
+    `static_lifetime_input_indices`); without it, the first `num_params` primals.
+    `sum_gradients_in_place`: a parameter's gradient sum overwrites one of its operands
+    (`GraphProblem.in_place_sums`; the rewriter must then apply them)."""
     info = classify_nodes(joint, [], num_fwd_outputs)
     params = frozenset(range(num_params) if param_indices is None else param_indices)
     items: dict[str, _Item] = {}  # value name -> item
     seen_storage: set[int] = set()
+    in_place: dict[str, int] = {}
     primal_index = -1
     for node in joint.graph.nodes:
         if node.op == "placeholder":
@@ -95,7 +103,15 @@ def build_problem(
             phase = Phase.FORWARD if info.is_required_fw(node) else Phase.BACKWARD
             for item in _items_of_op(node, phase, items, cost_s):
                 items[item.fx_names[-1]] = item
-    return _assemble(joint, items, num_fwd_outputs, budget_bytes)
+            pos = None
+            if sum_gradients_in_place and phase is Phase.BACKWARD:
+                pos = in_place_operand(node, lambda name: name in items and items[name].phase
+                                       is Phase.BACKWARD and items[name].alias_of is None)
+            if pos is not None:  # the sum lives in its operand's storage
+                items[node.name].alias_of = node.args[pos].name
+                in_place[node.name] = pos
+    gp = _assemble(joint, items, num_fwd_outputs, budget_bytes)
+    return dataclasses.replace(gp, in_place_sums=in_place)
 
 
 def _tensor_inputs(node: fx.Node, items: Mapping[str, _Item]) -> tuple[str, ...]:

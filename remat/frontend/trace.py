@@ -134,6 +134,43 @@ class FlatModel(nn.Module):
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
+class TensorsOnce(nn.Module):
+    """`module` with each parameter and buffer object registered once, for AOTAutograd.
+
+    `aot_module_simplified` lists `named_parameters(remove_duplicate=False)`, so a tied
+    weight (GPT-2's and BERT's input and output embeddings) would be two primals with two
+    gradients, summed by the autograd engine after the planned backward returns, outside
+    the memory model (in place when nothing else holds the buffers, out of place under a
+    dispatch mode). Registered once, it is one primal: autograd sums its gradients inside
+    the joint graph, where the planner sees and schedules the sum. The wrapped module is
+    called with `functional_call`, each of its names bound to the one registered tensor."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["inner"] = module  # not a submodule: its tensors are registered below
+        self.__dict__["bindings"] = {}  # the inner module's name -> own name
+        own: dict[int, str] = {}
+        for kind, named in (("p", module.named_parameters(remove_duplicate=False)),
+                            ("b", module.named_buffers(remove_duplicate=False))):
+            for name, tensor in named:
+                if id(tensor) not in own:
+                    own[id(tensor)] = f"{kind}{len(own)}"
+                    register = self.register_parameter if kind == "p" else self.register_buffer
+                    register(own[id(tensor)], tensor)
+                self.bindings[name] = own[id(tensor)]
+
+    @staticmethod
+    def has_tied(module: nn.Module) -> bool:
+        """Whether some parameter or buffer object is registered under two names."""
+        return (len(dict(module.named_parameters(remove_duplicate=False)))
+                != len(list(module.parameters()))
+                or len(dict(module.named_buffers(remove_duplicate=False))) != len(list(module.buffers())))
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        bound = {name: getattr(self, own) for name, own in self.bindings.items()}
+        return torch.func.functional_call(self.inner, bound, tensors, strict=True)
+
+
 def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
     """Run the graph eagerly with the boxed calling convention: the generated code
     clears its argument list, so saved tensors die at their last use in backward
@@ -206,7 +243,9 @@ def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tenso
          partition_fn: Partitioner):
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    with _record_module_locations(user_model):
+    from remat.frontend.layouts import eager_cpu_layouts
+
+    with _record_module_locations(user_model), eager_cpu_layouts():
         return aot_module_simplified(
             module,
             list(tensors),

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from remat.budget import format_bytes
 from solvers import Decision, Phase
+from solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
     from remat.planner import PlannedStep
@@ -36,7 +37,8 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
         lines.append(
             f"  offload:         {plan.count(Decision.OFFLOAD)} values, {format_bytes(ev.offload_bytes)} "
             f"each way, transfer {ev.transfer_s * 1e3:.3f} ms ({ev.hidden_transfer_s * 1e3:.3f} ms "
-            f"hidden behind compute, {ev.offload_s * 1e3:.3f} ms exposed)"
+            f"hidden behind compute, {ev.offload_s * 1e3:.3f} ms exposed; "
+            f"{len(prefetched_ids(problem, ev))} reloads prefetched)"
         )
     lines.append(
         f"  decisions:       {plan.count(Decision.SAVE)} saved, {plan.count(Decision.RECOMPUTE)} "

@@ -5,7 +5,9 @@ The rewriter (`insert_offloads`) puts two plain call_function nodes into the emi
 modules: `store(x)` in the forward, right after x's last forward user, returning a host
 handle that AOTAutograd saves instead of x (so x's device storage dies there, as
 `simulate` frees it); and `reload(handle, ...)` in the backward at `simulate`'s RELOAD
-step, which allocates a fresh device storage and fills it. The bytes are copied
+step (just in time, or earlier when the plan prefetches: solvers/prefetch.py), which
+allocates a fresh device storage and starts filling it, then `reload_wait(x)` just
+before x's first reader, where the compute waits for the copy. The bytes are copied
 verbatim (the whole storage, any strides), so gradients stay bit-for-bit equal.
 
 - CPU (tests, CI): the host store is numpy memory, outside torch's allocator, copied
@@ -15,7 +17,8 @@ verbatim (the whole storage, any strides), so gradients stay bit-for-bit equal.
   the same storage, and its async `ao::offload` ops raise "Accelerator expected" on CPU,
   so neither can lower a CPU peak.)
 - CUDA: pinned host buffers, copies on one side stream per device ordered by events;
-  the compute stream waits on an event, never the host (no synchronize, no .item()).
+  the compute stream waits on an event, never the host (no synchronize, no .item()),
+  and only at `reload_wait`, so the copy overlaps the compute issued in between.
   `record_stream` keeps the allocator from reusing a storage a pending copy reads or
   writes. This path is present but untested here (no GPU in CI).
 """
@@ -90,6 +93,16 @@ def reload(handle: torch.Tensor, nbytes: int, size: tuple[int, ...], stride: tup
     return _view(buf, layout)
 
 
+def reload_wait(x: torch.Tensor) -> torch.Tensor:
+    """`x` (a reload's result), once its copy is done: on CUDA the compute stream waits
+    for the copy's event here, before x's first reader; on CPU the copy is already done."""
+    if x.device.type == "cuda":
+        done = _RELOAD_EVENTS.pop(x.untyped_storage().data_ptr(), None)
+        if done is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
+    return x
+
+
 def _view(buf: torch.Tensor, layout: StoredLayout) -> torch.Tensor:
     out = torch.empty(0, dtype=layout.dtype, device=layout.device)
     return out.set_(buf.untyped_storage(), layout.storage_offset, layout.size, layout.stride)
@@ -99,6 +112,7 @@ def _view(buf: torch.Tensor, layout: StoredLayout) -> torch.Tensor:
 
 _STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 _STORE_EVENTS: dict[int, "torch.cuda.Event"] = {}  # host data_ptr -> event of its D2H copy
+_RELOAD_EVENTS: dict[int, "torch.cuda.Event"] = {}  # device data_ptr -> event of its H2D copy
 
 
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
@@ -138,7 +152,7 @@ def _reload_cuda(handle: torch.Tensor, layout: StoredLayout) -> torch.Tensor:
         done = torch.cuda.Event()
         done.record(stream)
     buf.record_stream(stream)
-    current.wait_event(done)  # the device waits, not the host
+    _RELOAD_EVENTS[buf.data_ptr()] = done  # reload_wait: the device waits, not the host
     return _view(buf, layout)
 
 
@@ -147,22 +161,35 @@ def _reload_cuda(handle: torch.Tensor, layout: StoredLayout) -> torch.Tensor:
 
 def insert_offloads(
     fw: fx.GraphModule, bw: fx.GraphModule, names: Iterable[str], *, num_fwd_outputs: int,
-    rank: Mapping[str, int] | None = None,
+    rank: Mapping[str, int] | None = None, custom_ops: bool = False,
 ) -> dict[str, int]:
     """Store each named saved value after its last forward use and reload it before its
     first backward use. Returns the ranks for the new reload nodes (the offloaded value's
-    own rank, i.e. simulate's RELOAD step), to merge into the backward order."""
+    own rank, i.e. simulate's RELOAD step), to merge into the backward order; each
+    reload's wait has no rank, so the reorder puts it just before its first user.
+    custom_ops: emit the torch.library ops of remat/runtime/offload_ops.py instead of
+    the Python functions (for graphs inductor compiles; the reload waits in place)."""
+    if custom_ops:
+        from remat.runtime import offload_ops
     names = set(names) & {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.users}
     out = fw.graph.output_node()
     values = list(out.args[0])
     by_name = {n.name: n for n in fw.graph.nodes}
     handles: dict[str, fx.Node] = {}
+    host_vals: dict[str, object] = {}
     for name in sorted(names):
         x = by_name[name]
         last = max((u for u in x.users if u is not out), key=_position(fw.graph), default=x)
         with fw.graph.inserting_after(last):
-            handle = fw.graph.call_function(store, (x,))
+            if custom_ops:
+                nbytes = StoredLayout.of(x.meta["val"]).nbytes
+                handle = fw.graph.call_function(offload_ops.STORE, (x, nbytes))
+            else:
+                handle = fw.graph.call_function(store, (x,))
         handle.meta = dict(x.meta)
+        if custom_ops:  # a compiler reads the handle's meta: a host uint8 buffer
+            host_vals[name] = offload_ops.host_val(x.meta["val"], nbytes)
+            handle.meta = {"val": host_vals[name]}
         handles[name] = handle
     values = values[:num_fwd_outputs] + [
         handles.get(v.name, v) if isinstance(v, fx.Node) else v for v in values[num_fwd_outputs:]
@@ -173,10 +200,23 @@ def insert_offloads(
         if ph.op != "placeholder" or ph.name not in names:
             continue
         first = min(ph.users, key=_position(bw.graph))
+        layout = StoredLayout.of(ph.meta["val"])
         with bw.graph.inserting_before(first):
-            node = bw.graph.call_function(reload, (ph, *StoredLayout.of(ph.meta["val"]).as_args()))
+            if custom_ops:
+                node = bw.graph.call_function(offload_ops.RELOAD, (
+                    ph, list(layout.size), list(layout.stride), layout.storage_offset,
+                    layout.dtype, layout.device))
+            else:
+                node = bw.graph.call_function(reload, (ph, *layout.as_args()))
         node.meta = dict(ph.meta)
-        ph.replace_all_uses_with(node, delete_user_cb=lambda u: u is not node)
+        ready = node
+        if not custom_ops:
+            with bw.graph.inserting_after(node):
+                ready = bw.graph.call_function(reload_wait, (node,))
+            ready.meta = dict(ph.meta)
+        ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not node and u is not ready)
+        if custom_ops:
+            ph.meta = {"val": host_vals[ph.name]}
         if rank is not None and ph.name in rank:
             new_rank[node.name] = rank[ph.name]
     return new_rank

@@ -19,6 +19,11 @@ from remat.runtime.ledger import Call, Compile, StepLedger
 Variant = tuple[Callable[..., Any], Any]  # (compiled callable, PlannedStep)
 
 
+def _peak(step: Any) -> int:
+    """A plan's predicted peak, with what inductor's fusion adds to it."""
+    return step.evaluation.peak_bytes + getattr(step, "fusion_margin_bytes", 0)
+
+
 class LedgeredGraph:
     def __init__(self, graph: int, ledger: StepLedger, compile: Compile,
                  on_step: Callable[[Any], None]) -> None:
@@ -54,7 +59,7 @@ class LedgeredGraph:
         (compiled, step), share = self._choose(args, outside, seen.pending)
         boundary = split.boundary_bytes(step.graph_problem.problem, step.plan)
         call = Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
-                    peak_bytes=step.evaluation.peak_bytes, baseline_bytes=step.baseline_peak_bytes,
+                    peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
                     held_bytes=0, boundary_bytes=boundary,
                     no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
                     params=seen.params, with_grad=seen.with_grad)
@@ -75,9 +80,9 @@ class LedgeredGraph:
             fits = self._fitting(share)
             if fits is not None:
                 return fits, share
-            floors = [v for v in self.variants if v[1].evaluation.peak_bytes > v[1].budget_bytes]
+            floors = [v for v in self.variants if _peak(v[1]) > v[1].budget_bytes]
             if floors:  # already at its floor: no plan of this graph peaks lower
-                return min(floors, key=lambda v: v[1].evaluation.peak_bytes), share
+                return min(floors, key=lambda v: _peak(v[1])), share
             return self._plan(args, self._learning(outside, pending), strict=False), share
         if ledger.shares is None:
             raise ledger.refusal()
@@ -86,7 +91,7 @@ class LedgeredGraph:
         if option is not None:
             # a plan it has that peaks and holds no more than the option does keeps every
             # call of the split under the budget too, without a compile
-            planned = [v for v in self.variants if v[1].evaluation.peak_bytes <= option.peak_bytes
+            planned = [v for v in self.variants if _peak(v[1]) <= option.peak_bytes
                        and split.boundary_bytes(v[1].graph_problem.problem, v[1].plan) <= option.boundary_bytes]
             variant = (min(planned, key=lambda v: v[1].evaluation.cost_s) if planned else
                        self._plan(args, lambda _: option.budget_bytes, strict=True, outside=outside))
@@ -100,8 +105,8 @@ class LedgeredGraph:
         return self._plan(args, lambda _: max(1, limit), strict=True, outside=outside), limit
 
     def _fitting(self, share: int) -> Variant | None:
-        fits = [v for v in self.variants if v[1].evaluation.peak_bytes <= share]
-        return min(fits, key=lambda v: (v[1].evaluation.cost_s, -v[1].evaluation.peak_bytes)) if fits else None
+        fits = [v for v in self.variants if _peak(v[1]) <= share]
+        return min(fits, key=lambda v: (v[1].evaluation.cost_s, -_peak(v[1]))) if fits else None
 
     def _learning(self, outside: int, pending: tuple[int, ...]) -> Callable[[int], int]:
         return lambda baseline: max(1, self.ledger.learning_share(outside, pending, baseline))
