@@ -95,7 +95,7 @@ class LedgeredGraph:
                        and split.boundary_bytes(v[1].graph_problem.problem, v[1].plan) <= option.boundary_bytes]
             variant = (min(planned, key=lambda v: v[1].evaluation.cost_s) if planned else
                        self._plan(args, lambda _: option.budget_bytes, strict=True, outside=outside))
-            if variant[1].evaluation.peak_bytes <= limit:
+            if _peak(variant[1]) <= limit:
                 return variant, option.budget_bytes
         # more is held outside than the split predicted (or a call the first step did not
         # make): a plan that fits what is measured, or a refusal
