@@ -114,9 +114,10 @@ class Partitioner:
     @budget.setter
     def budget(self, budget: int | str) -> None:
         # set again (inductor's fusion loop plans under the budget minus fusion's
-        # margin): that budget, not the ledger's share
+        # margin): that budget, not the ledger's share, and a refusal when it cannot
         self._budget = budget
         self.budget_for = None
+        self.best_effort = False
 
     def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                  static_lifetime_input_indices: Any = None,

@@ -116,6 +116,8 @@ class LedgeredGraph:
         try:
             compiled, step = self._compile(list(args), budget_for, not strict)
         except InfeasibleBudgetError as e:
+            if not outside:  # nothing held outside: the planner's own refusal says it all
+                raise
             raise self._refusal(e, outside) from None
         if step is not None:
             self.variants.append((compiled, step))
