@@ -299,7 +299,10 @@ class StepLedger:
         for key in [k for k, (ref, _) in self._params.items() if ref() is None or k.expired()]:
             del self._params[key]
         counted = {k: n for k, n in self._tracked.items() if k not in exclude and k not in self._params}
-        counted.update((k, n) for k, (_, n) in self._params.items() if k not in exclude)
+        # a parameter's storage at its size now: FSDP2 frees an unsharded parameter's
+        # storage (resizes it to 0) between its all-gathers
+        counted.update((k, ref().untyped_storage().nbytes()) for k, (ref, _) in self._params.items()
+                       if k not in exclude)
         with_grad = set()
         for key, (ref, _) in self._params.items():
             grad = getattr(ref(), "grad", None)
