@@ -255,7 +255,8 @@ def plan(
 
     offload: True lets the planner move activations to host memory between forward and
     backward (below the recompute-only floor); False never; "auto" (default) allows it
-    on CUDA and leaves it off on CPU.
+    on CUDA and leaves it off on CPU; "fallback" allows it only for input shapes whose
+    recompute-only plan does not fit (the long batch offloads, the others recompute).
 
     device_speed: roofline figures for per-op costs (default: this machine, measured
     once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans

@@ -23,7 +23,7 @@ from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
-from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
 from solvers.prefetch import prefetch
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,15 @@ class Partitioner:
             self.error = e
             raise
 
+    def _solve(self, problem: Problem, options: dict[str, Any]) -> Plan:
+        """The solver's plan; with offload="fallback", its recompute-only plan when that
+        fits, and offload only when it does not."""
+        if self.offload == "fallback" and problem.offload_bandwidth_bytes_per_s is not None:
+            plan = solve_with_floor(_recompute_only(problem), self.solver, options)
+            if plan.status is not Status.INFEASIBLE:
+                return plan
+        return solve_with_floor(problem, self.solver, options)
+
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
@@ -138,7 +147,7 @@ class Partitioner:
         t_profiled = time.perf_counter()
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
                   extra={STAGE: "solve"})
-        plan = solve_with_floor(gp.problem, self.solver, options)
+        plan = self._solve(gp.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
@@ -166,6 +175,11 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+
+def _recompute_only(problem: Problem) -> Problem:
+    """`problem` with offload not allowed (its plans are valid plans of `problem`)."""
+    return dataclasses.replace(problem, offload_bandwidth_bytes_per_s=None)
 
 
 def _measures_workspace(asked: bool | None, device_speed: Any) -> bool:
