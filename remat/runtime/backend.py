@@ -56,6 +56,7 @@ from remat import distributed
 from remat.budget import check_budget_syntax, format_bytes
 from remat.errors import CompositionError, RematError, UnknownSolverError
 from remat.frontend import costs
+from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -78,7 +79,7 @@ class RematBackend:
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
-                 fusion: str = "neighbours", **options: Any) -> None:
+                 fusion: str = "neighbours", offload: bool | str = "auto", **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -89,6 +90,8 @@ class RematBackend:
         if fusion not in FUSION_MODES:
             raise RematError(f"unknown fusion={fusion!r}; valid: {list(FUSION_MODES)}")
         check_budget_syntax(budget)
+        check_offload(offload)
+        self.offload = offload
         self.budget = budget
         self.fusion = fusion
         self.solver = solver
@@ -120,7 +123,9 @@ class RematBackend:
         key = plan_store.plan_key(self.uuid(), gm, example_inputs) if self.cache else None
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
-                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks)
+                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks,
+                                  offload=self.offload, compiled_offload=self.compiler == "inductor",
+                                  offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs))
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -144,6 +149,13 @@ class RematBackend:
                 self.stored_steps += 1
         return compiled
 
+    def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
+        """The link bandwidth offload may use for this graph's device, or None (off)."""
+        if self.offload is False:
+            return None
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        return resolve_bandwidth(self.offload, offload_device(tensors, self.offload))
+
     def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
                          partitioner: Partitioner) -> dict[str, Any]:
         from torch._inductor import list_mode_options
@@ -162,7 +174,7 @@ class RematBackend:
         """Everything a plan depends on besides the graph and its input shapes (which
         torch's cache key holds already)."""
         return (
-            "remat", _source_hash(), repr(self.budget), self.solver,
+            "remat", _source_hash(), repr(self.budget), self.solver, repr(self.offload),
             repr(sorted(self.options.items())), self.cost_model, _device_fingerprint(),
             f"fusion={self.fusion}",
         )
@@ -221,8 +233,10 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
     `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
     see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
-    as `remat.plan`'s (rank 0's plan on every rank). Other keyword arguments go to the
-    solver."""
+    as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":
+    on CUDA only); under inductor the store and reload are custom ops
+    (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). Other keyword
+    arguments go to the solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
 

@@ -161,23 +161,35 @@ def _reload_cuda(handle: torch.Tensor, layout: StoredLayout) -> torch.Tensor:
 
 def insert_offloads(
     fw: fx.GraphModule, bw: fx.GraphModule, names: Iterable[str], *, num_fwd_outputs: int,
-    rank: Mapping[str, int] | None = None,
+    rank: Mapping[str, int] | None = None, custom_ops: bool = False,
 ) -> dict[str, int]:
     """Store each named saved value after its last forward use and reload it before its
     first backward use. Returns the ranks for the new reload nodes (the offloaded value's
     own rank, i.e. simulate's RELOAD step), to merge into the backward order; each
-    reload's wait has no rank, so the reorder puts it just before its first user."""
+    reload's wait has no rank, so the reorder puts it just before its first user.
+    custom_ops: emit the torch.library ops of remat/runtime/offload_ops.py instead of
+    the Python functions (for graphs inductor compiles; the reload waits in place)."""
+    if custom_ops:
+        from remat.runtime import offload_ops
     names = set(names) & {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.users}
     out = fw.graph.output_node()
     values = list(out.args[0])
     by_name = {n.name: n for n in fw.graph.nodes}
     handles: dict[str, fx.Node] = {}
+    host_vals: dict[str, object] = {}
     for name in sorted(names):
         x = by_name[name]
         last = max((u for u in x.users if u is not out), key=_position(fw.graph), default=x)
         with fw.graph.inserting_after(last):
-            handle = fw.graph.call_function(store, (x,))
+            if custom_ops:
+                nbytes = StoredLayout.of(x.meta["val"]).nbytes
+                handle = fw.graph.call_function(offload_ops.STORE, (x, nbytes))
+            else:
+                handle = fw.graph.call_function(store, (x,))
         handle.meta = dict(x.meta)
+        if custom_ops:  # a compiler reads the handle's meta: a host uint8 buffer
+            host_vals[name] = offload_ops.host_val(x.meta["val"], nbytes)
+            handle.meta = {"val": host_vals[name]}
         handles[name] = handle
     values = values[:num_fwd_outputs] + [
         handles.get(v.name, v) if isinstance(v, fx.Node) else v for v in values[num_fwd_outputs:]
@@ -188,13 +200,23 @@ def insert_offloads(
         if ph.op != "placeholder" or ph.name not in names:
             continue
         first = min(ph.users, key=_position(bw.graph))
+        layout = StoredLayout.of(ph.meta["val"])
         with bw.graph.inserting_before(first):
-            node = bw.graph.call_function(reload, (ph, *StoredLayout.of(ph.meta["val"]).as_args()))
+            if custom_ops:
+                node = bw.graph.call_function(offload_ops.RELOAD, (
+                    ph, list(layout.size), list(layout.stride), layout.storage_offset,
+                    layout.dtype, layout.device))
+            else:
+                node = bw.graph.call_function(reload, (ph, *layout.as_args()))
         node.meta = dict(ph.meta)
-        with bw.graph.inserting_after(node):
-            ready = bw.graph.call_function(reload_wait, (node,))
-        ready.meta = dict(ph.meta)
+        ready = node
+        if not custom_ops:
+            with bw.graph.inserting_after(node):
+                ready = bw.graph.call_function(reload_wait, (node,))
+            ready.meta = dict(ph.meta)
         ph.replace_all_uses_with(ready, delete_user_cb=lambda u: u is not node and u is not ready)
+        if custom_ops:
+            ph.meta = {"val": host_vals[ph.name]}
         if rank is not None and ph.name in rank:
             new_rank[node.name] = rank[ph.name]
     return new_rank
