@@ -8,7 +8,7 @@ tracker, the step's output dropped as in bench/compare.py) with transformers'
 replayed (default) and with every random op saved (`replay_rng=False`). Gradients of
 every remat row are compared with eager's (torch.equal).
 
-    HF_HUB_OFFLINE=1 PYTHONPATH=. python bench/floor_vs_checkpoint.py [--models gpt2 bert]
+    python bench/floor_vs_checkpoint.py [--models gpt2 bert]
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the repository first: bench/solvers.py would shadow the solvers package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -142,7 +142,8 @@ class Planned(nn.Module):
                                    offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
                                    device_speed=self.__dict__["_remat_device_speed"],
                                    sum_gradients_in_place=True,
-                                   replay_rng=self.options.get("replay_rng", True))
+                                   # inductor's graphs keep random ops saved: plan the same space
+                                   replay_rng=self.options.get("replay_rng", not self.compile))
         try:
             traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
                                    user_model=self.model)
@@ -264,7 +265,8 @@ def plan(
     Random ops (dropout) may be recomputed: the forward saves the generator state read
     just before each (5,056 bytes on CPU) and backward replays it, bit for bit, leaving
     the global random stream where eager leaves it; the planner weighs that against
-    saving the mask and output. `replay_rng=False` (an option) always saves them.
+    saving the mask and output. `replay_rng=False` (an option) always saves them, as
+    `compile=True` does (inductor's partitioner hook does not replay them).
 
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The

@@ -82,8 +82,8 @@ def test_conv_model_prediction_covers_the_allocator(at):
     multi-output op's other outputs are allocated while its workspace is live, so they
     count at the op's step (`workspace._outputs_made_early`); now the budget is 1,616,616 B."""
     case = zoo.build("cnn", size="tiny")
-    # replay_rng=False: the plans this xfail was measured on (dropout saved); with dropout
-    # replayed the floor plan is another one, on which the allocator stays under the budget
+    # replay_rng=False: the plans the numbers above were measured on (dropout saved); with
+    # dropout replayed the floor is another plan
     budget = _floor(case, replay_rng=False) if at == "floor" else at
     planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, time_limit_s=0.5,
                            measure_workspace=True, replay_rng=False)
