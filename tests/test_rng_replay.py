@@ -119,3 +119,41 @@ def test_dropout_split_is_eager_dropout(shape, p):
     assert torch.equal(torch.get_rng_state(), after)
     assert torch.equal(mask, mask_r)
     assert torch.equal(out, rng.DROPOUT_APPLY(x, mask_r, 1.0 / (1.0 - p)))
+
+
+class _StochasticMasks(torch.nn.Module):
+    """Random ops other than dropout: a rand_like threshold mask and a bernoulli draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = h * (torch.rand_like(h) > 0.2).to(h.dtype) / 0.8
+        h = torch.relu(self.b(h)) * torch.bernoulli(torch.full_like(h, 0.9))
+        return torch.nn.functional.cross_entropy(self.head(h), y)
+
+
+def test_other_random_ops_replay_bit_for_bit():
+    torch.manual_seed(0)
+    model, x, y = _StochasticMasks(), torch.randn(256, 64), torch.randint(0, 10, (256,))
+
+    def step(module):
+        torch.manual_seed(SEED)
+        loss = module(x, y)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        return loss.detach(), grads, torch.rand(4)
+
+    loss, grads, next_draw = step(model)
+    planned = remat.plan(model, (x, y), budget="100%", solver="all")
+    replays = [n for n in planned.step.backward.graph.nodes if n.target is rng.random_op_replay]
+    assert {n.args[2] for n in replays} == {torch.ops.aten.rand_like.default, torch.ops.aten.bernoulli.default}
+    loss_r, grads_r, next_r = step(planned)
+    assert torch.equal(loss, loss_r) and torch.equal(next_draw, next_r)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+    measured = measure_step(lambda: planned(x, y).backward(), register=(model, x, y)).peak_bytes
+    assert measured == planned.predicted_peak_bytes
