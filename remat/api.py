@@ -141,7 +141,9 @@ class Planned(nn.Module):
                                    options=self.options, started_s=started, sync_ranks=self.sync_ranks,
                                    offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
                                    device_speed=self.__dict__["_remat_device_speed"],
-                                   sum_gradients_in_place=True)
+                                   sum_gradients_in_place=True,
+                                   # inductor's graphs keep random ops saved: plan the same space
+                                   replay_rng=self.options.get("replay_rng", not self.compile))
         try:
             traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
                                    user_model=self.model)
@@ -168,8 +170,9 @@ class Planned(nn.Module):
         so the budget covers the whole step."""
         from remat.runtime.backend import RematBackend
 
+        options = {k: v for k, v in self.options.items() if k != "replay_rng"}  # eager runtime's
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          offload=self.offload, **self.options)
+                          offload=self.offload, **options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 
@@ -252,11 +255,18 @@ def plan(
 
     offload: True lets the planner move activations to host memory between forward and
     backward (below the recompute-only floor); False never; "auto" (default) allows it
-    on CUDA and leaves it off on CPU.
+    on CUDA and leaves it off on CPU; "fallback" allows it only for input shapes whose
+    recompute-only plan does not fit (the long batch offloads, the others recompute).
 
     device_speed: roofline figures for per-op costs (default: this machine, measured
     once and cached; `remat.frontend.devices.named_device('h100').speed(dtype)` plans
     for another device).
+
+    Random ops (dropout) may be recomputed: the forward saves the generator state read
+    just before each (5,056 bytes on CPU) and backward replays it, bit for bit, leaving
+    the global random stream where eager leaves it; the planner weighs that against
+    saving the mask and output. `replay_rng=False` (an option) always saves them, as
+    `compile=True` does (inductor's partitioner hook does not replay them).
 
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The

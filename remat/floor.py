@@ -12,6 +12,7 @@ search (unless the failed solve happened to peak lower; then pass
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -45,6 +46,7 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
                  baseline_bytes: int, offload: Any = "auto") -> tuple[Plan, InfeasibleBudgetError | None]:
     """After `failed` (INFEASIBLE): a plan that fits when the floor does (warm-started
     with the floor plan), else `failed` and the error stating the floor and its plan."""
+    started_s = time.perf_counter()
     problem = gp.problem
     key = problem.with_budget(0)
     limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
@@ -52,13 +54,13 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     if key in _FLOOR_PLANS:
         candidates.append(_FLOOR_PLANS[key])
     best = min(candidates, key=lambda p: (p.peak_bytes, p.objective_s))
-    floor_plan = finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)
+    floor_plan = finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=started_s)
     _remember(key, floor_plan)
     if floor_plan.peak_bytes <= problem.budget_bytes:
         if takes_hint(solver):
             plan = solve(problem, solver, **{**options, "hint": floor_plan.decisions})
         else:
-            plan = finish(problem, floor_plan.decisions, solver, started_s=0.0)
+            plan = finish(problem, floor_plan.decisions, solver, started_s=started_s)
         if plan.status is not Status.INFEASIBLE:
             return plan, None
     reach = floor_plan.peak_bytes

@@ -20,9 +20,10 @@ from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
+from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
-from solvers import Decision, Evaluation, Plan, Status, decisions_all, simulate, solve
+from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
 from solvers.prefetch import prefetch
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,17 @@ class Partitioner:
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
                  device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
-                 compiled_offload: bool = False) -> None:
+                 compiled_offload: bool = False, replay_rng: bool = False) -> None:
         self.num_params = num_params
         self.sum_gradients_in_place = sum_gradients_in_place
         """Run a parameter's gradient sum in place into one operand, as eager autograd
         does (`remat.frontend.accumulate`); for the eager runtime (inductor does its own
         buffer reuse)."""
+        self.replay_rng = replay_rng
+        """Random ops may be recomputed from a saved generator state
+        (`remat.frontend.random_ops`); else they are always saved. The eager runtime
+        replays them; inductor's partitioner hook does not get them (its graphs keep
+        the random ops as they are)."""
         self.sync_ranks = sync_ranks
         """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
         group of more than one rank is initialized."""
@@ -104,18 +110,33 @@ class Partitioner:
             self.error = e
             raise
 
+    def _solve(self, problem: Problem, options: dict[str, Any]) -> Plan:
+        """The solver's plan; with offload="fallback", its recompute-only plan when that
+        fits, and offload only when it does not."""
+        if self.offload == "fallback" and problem.offload_bandwidth_bytes_per_s is not None:
+            plan = solve_with_floor(_recompute_only(problem), self.solver, options)
+            if plan.status is not Status.INFEASIBLE:
+                return plan
+        return solve_with_floor(problem, self.solver, options)
+
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
         cost_s = costs.cost_function(self.cost_model, speed)
+        replayable = None
+        if self.replay_rng:
+            replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
+            cost_s = replayable.costs(cost_s)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None,
                            sum_gradients_in_place=self.sum_gradients_in_place)
-        options = {k: v for k, v in self.options.items() if k != "measure_workspace"}
+        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng")}
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
+        if replayable is not None:
+            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
@@ -126,7 +147,7 @@ class Partitioner:
         t_profiled = time.perf_counter()
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
                   extra={STAGE: "solve"})
-        plan = solve_with_floor(gp.problem, self.solver, options)
+        plan = self._solve(gp.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
@@ -154,6 +175,11 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+
+def _recompute_only(problem: Problem) -> Problem:
+    """`problem` with offload not allowed (its plans are valid plans of `problem`)."""
+    return dataclasses.replace(problem, offload_bandwidth_bytes_per_s=None)
 
 
 def _measures_workspace(asked: bool | None, device_speed: Any) -> bool:

@@ -133,7 +133,8 @@ def test_uuid_covers_what_the_plan_depends_on():
 
 def test_cache_hits_are_keyed_by_budget(tmp_path, monkeypatch):
     """With cache=True a second compile of the same graph and budget comes from torch's
-    caches (remat is not called); another budget is a miss and plans again."""
+    caches (remat is not called) and its plan from remat's plan store, so the summary
+    still describes what runs; another budget is a miss and plans again."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)), torch.randn(64, 32)
@@ -146,14 +147,24 @@ def test_cache_hits_are_keyed_by_budget(tmp_path, monkeypatch):
         return be, [p.grad.clone() for p in model.parameters()]
 
     first, grads = compile_once("100%")
-    assert (len(first.steps), first.cache_hits) == (1, 0)
+    assert (len(first.steps), first.cache_hits, first.stored_steps) == (1, 0, 0)
     hit, hit_grads = compile_once("100%")
-    assert (len(hit.steps), hit.cache_hits) == (0, 1)
+    assert (len(hit.steps), hit.cache_hits, hit.stored_steps) == (1, 1, 1)
     assert all(torch.equal(a, b) for a, b in zip(grads, hit_grads))
-    with pytest.raises(remat.RematError, match="compile cache"):
-        hit.summary()
+    (planned,), (stored,) = first.steps, hit.steps
+    assert stored.plan == planned.plan and stored.evaluation == planned.evaluation
+    assert stored.budget_bytes == planned.budget_bytes
+    assert "1 graph(s) from torch's compile cache; 1 plan(s) read back" in hit.summary()
+    assert hit.summary().split("remat plan", 1)[1] == first.summary().split("remat plan", 1)[1]
     miss, _ = compile_once("150%")
     assert (len(miss.steps), miss.cache_hits) == (1, 0)
+    assert miss.steps[0].budget_bytes != planned.budget_bytes
+    for record in (tmp_path / "remat_plans").iterdir():  # without its record a hit says so
+        record.unlink()
+    bare, _ = compile_once("100%")
+    assert (len(bare.steps), bare.cache_hits) == (0, 1)
+    with pytest.raises(remat.RematError, match="plan store had no record"):
+        bare.summary()
 
 
 def test_device_speed_is_measured_on_real_tensors_inside_fake_mode(tmp_path, monkeypatch):

@@ -129,3 +129,18 @@ def test_prepare_lengths_plans_ahead_and_the_summary_says_what_ran():
     assert "hidden" in text and "planned in" in text
     with pytest.raises(InfeasibleBudgetError):
         planned.prepare_lengths(_batch(64), lengths=[128])
+
+
+def test_offload_fallback_recomputes_where_that_fits_and_offloads_the_long_length():
+    torch.manual_seed(0)
+    model = Seq()
+    planned = remat.plan(model, _batch(64), budget=BUDGET, solver="greedy", offload="fallback")
+    ahead = planned.prepare_lengths(_batch(64), lengths=[32, 96])
+    assert planned.plan.count(Decision.OFFLOAD) == 0 and ahead[32].offload_bytes == 0
+    assert ahead[96].offload_bytes > 0  # above T=96's recompute-only floor
+    for p in model.parameters():
+        p.grad = None
+    batch = _batch(96)
+    m = measure_step(lambda: planned(*batch).backward(), register=(model, batch))
+    assert m.peak_bytes <= BUDGET
+    _step_matches_eager(model, planned, 96)

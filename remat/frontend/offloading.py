@@ -1,8 +1,10 @@
 """Whether a plan may offload, at what link bandwidth, and which values can move.
 
 `remat.plan(..., offload=...)` takes "auto" (the default: allowed on CUDA, off on CPU,
-where the host store only exists for tests), True or False. Allowing it gives the
-Problem a link bandwidth; `simulate` then prices each offloaded byte both ways.
+where the host store only exists for tests), True, False, or "fallback" (allowed, but
+only when the solver's recompute-only plan does not fit: an input that usually fits
+recomputes, the unlucky long one offloads). Allowing it gives the Problem a link
+bandwidth; `simulate` then prices each offloaded byte both ways.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from remat.frontend import costs
 from remat.frontend.problem import GraphProblem
 from solvers import Decision, Phase, Problem, simulate
 
-OFFLOAD_VALUES = ("auto", True, False)
+OFFLOAD_VALUES = ("auto", True, False, "fallback")
 
 
 class OffloadError(RematError, ValueError):
@@ -32,8 +34,8 @@ def check_offload(offload: Any) -> None:
     if not any(offload is v or (isinstance(v, str) and offload == v) for v in OFFLOAD_VALUES):
         raise OffloadError(
             f"offload={offload!r} is not an offload setting; use offload=True (allow "
-            "offloading activations to host memory), False (never) or 'auto' (allowed on "
-            "CUDA, off on CPU)"
+            "offloading activations to host memory), False (never), 'auto' (allowed on "
+            "CUDA, off on CPU) or 'fallback' (only where recomputing alone does not fit)"
         )
 
 

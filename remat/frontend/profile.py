@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from remat.runtime.rng import generator_state
+
 _NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
 
 
@@ -54,6 +56,9 @@ def source_line(node: fx.Node) -> str:
 def never_replay_reason(node: fx.Node) -> str | None:
     """Why this op must never be recomputed, or None if it may be."""
     target = node.target
+    if target is generator_state:
+        # read where eager reads it, in forward; rerun in backward it would read another state
+        return "generator state"
     if isinstance(target, torch._ops.HigherOrderOperator):
         # with_effects (ordered side effects), invoke_subgraph, ...: min-cut saves these
         # (`force_save_effectful_ops`); replaying one would repeat its effect.

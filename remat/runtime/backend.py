@@ -60,6 +60,7 @@ from remat.frontend.offloading import check_offload, offload_device, resolve_ban
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
+from remat.runtime import plan_store
 from remat.runtime.inductor_fusion import FUSION_MODES, FusionEstimate, fusion_passes
 from solvers import SOLVERS
 
@@ -106,6 +107,8 @@ class RematBackend:
         """The last `measure(...)` (a `remat.measure.MemoryMeasurement`), or None."""
         self.cache_hits = 0
         """Graphs whose compiled code came from torch's caches (remat was not called)."""
+        self.stored_steps = 0
+        """Of `steps`, those read from remat's plan store on a cache hit (`plan_store`)."""
         self.fusion_estimates: list[FusionEstimate] = []
         """Inductor's own peak estimate of each graph it compiled, before and after fusion."""
 
@@ -117,6 +120,7 @@ class RematBackend:
                 "remat.backend(cache=True) under torch.distributed: a rank that hits torch's "
                 "compile cache skips planning while its peers wait for it in the plan exchange "
                 "(a hang); use cache=False (the default) or sync_ranks=False")
+        key = plan_store.plan_key(self.uuid(), gm, example_inputs) if self.cache else None
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
                                   cost_model=self.cost_model, sync_ranks=self.sync_ranks,
@@ -135,8 +139,14 @@ class RematBackend:
             raise
         if partitioner.step is not None:
             self.steps.append(partitioner.step)
+            if key is not None:
+                plan_store.store(key, partitioner.step)
         else:
             self.cache_hits += 1
+            stored = plan_store.load(key) if key is not None else None
+            if stored is not None:
+                self.steps.append(stored)
+                self.stored_steps += 1
         return compiled
 
     def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
@@ -174,12 +184,16 @@ class RematBackend:
             if self.cache_hits:
                 raise RematError(
                     f"{self.cache_hits} graph(s) came from torch's compile cache, so remat did not "
-                    "plan them in this process; build the backend with cache=False (the default) "
-                    "for a report")
+                    "plan them in this process, and remat's plan store had no record of them (a cache "
+                    "written without cache=True, or cleared); build the backend with cache=False (the "
+                    "default) for a report")
             raise RematError("nothing planned yet: run the compiled model under autograd first")
         head = (f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
                 "each planned on its own" if len(self.steps) > 1 else "")
         compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
+        if self.cache_hits:
+            compiled += (f"\ncache:           {self.cache_hits} graph(s) from torch's compile cache; "
+                         f"{self.stored_steps} plan(s) read back from remat's plan store")
         if self.compiler == "inductor" and self.fusion_estimates:
             compiled += (f"\nfusion:          {self.fusion}; inductor's own estimate per graph, before -> after "
                          "fusion: " + ", ".join(

@@ -20,6 +20,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules
 from remat.errors import UnsupportedGraphError
 from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
+from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
 from solvers import Decision, Evaluation, Plan, StepKind
 
@@ -50,6 +51,7 @@ def partition(
     saved = [n for n in saved if n not in saved_sym]
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
     _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
+    rng.replay_in_backward(bw)
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
     _check_recomputed(bw, graph_problem, evaluation)
@@ -58,6 +60,7 @@ def partition(
     rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank,
                                 custom_ops=custom_offload_ops))
     _reorder(bw, rank)
+    rng.eager_forward(fw)  # last: fw's saved outputs are matched by name above
     fw.graph.lint()
     bw.graph.lint()
     fw.recompile()
