@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch import fx
@@ -24,6 +25,7 @@ from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
+from solvers.base import finish
 from solvers.prefetch import prefetch
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,15 @@ class Partitioner:
                  started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
                  offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
                  device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
-                 compiled_offload: bool = False, replay_rng: bool = False) -> None:
+                 compiled_offload: bool = False, replay_rng: bool = False,
+                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False) -> None:
         self.num_params = num_params
+        self.budget_for = budget_for
+        """The budget in bytes given this graph's no-remat peak, instead of resolving
+        `budget` against it (the whole-step ledger's share, `runtime.ledger`)."""
+        self.best_effort = best_effort
+        """Run at the lowest peak found instead of refusing when no plan fits (the
+        ledger's first step, which cannot know the rest of the step yet)."""
         self.sum_gradients_in_place = sum_gradients_in_place
         """Run a parameter's gradient sum in place into one operand, as eager autograd
         does (`remat.frontend.accumulate`); for the eager runtime (inductor does its own
@@ -90,13 +99,25 @@ class Partitioner:
         # None: measure this machine (outside any fake mode); fake-tensor planning passes a
         # named device's figures, since nothing may run there.
         self.device_speed = device_speed
-        self.budget = budget
+        self._budget = budget
         self.solver = solver
         self.options = options
         self.started_s = started_s
         self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
+
+    @property
+    def budget(self) -> int | str:
+        return self._budget
+
+    @budget.setter
+    def budget(self, budget: int | str) -> None:
+        # set again (inductor's fusion loop plans under the budget minus fusion's
+        # margin): that budget, not the ledger's share, and a refusal when it cannot
+        self._budget = budget
+        self.budget_for = None
+        self.best_effort = False
 
     def __call__(self, joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                  static_lifetime_input_indices: Any = None,
@@ -141,7 +162,8 @@ class Partitioner:
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
-        budget_bytes = resolve_budget(self.budget, baseline)
+        budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
+                        else resolve_budget(self.budget, baseline))
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
@@ -149,7 +171,9 @@ class Partitioner:
                   extra={STAGE: "solve"})
         plan = self._solve(gp.problem, options)
         refusal = None
-        if plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
+        if plan.status is Status.INFEASIBLE and self.best_effort:
+            plan = lowest_found(gp.problem, plan)
+        elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
                                          baseline_bytes=baseline, offload=self.offload)
         if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
@@ -175,6 +199,14 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+
+def lowest_found(problem: Problem, failed: Plan) -> Plan:
+    """Without the floor search (seconds of ILP per graph): the lower-peak plan of the
+    failed solve's and recompute-everything, as a plan that fits at its own peak."""
+    everything = solve(problem.with_budget(0), "all")
+    best = min((failed, everything), key=lambda p: (p.peak_bytes, p.objective_s))
+    return finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)
 
 
 def _recompute_only(problem: Problem) -> Problem:

@@ -27,10 +27,14 @@ What inductor may change after the partition, and what remat pins:
   place, which measured over the budget at tight budgets (GPT-2 tiny at 47.9% of its
   no-remat peak: 322,819 B over; neighbours only: under, at the same step time).
 
-The budget is a promise per captured graph: a model that compiles to one graph
-(`fullgraph=True`) gets the same guarantee as `remat.plan`; with graph breaks each graph
-is planned under the same budget (a percentage: of that graph's own no-remat peak), and
-the summary says so. Unlike `remat.plan`, every differentiable output of the graph gets a
+The budget is a promise for the whole step (`remat.runtime.ledger`): when dynamo splits
+the step into several graphs (graph breaks, DDPOptimizer's buckets, FSDP2's wrapped
+modules), each graph call is planned under the budget minus what is live outside it
+(earlier graphs' saved activations, tensors crossing graph boundaries, the other graphs'
+parameters and gradients), and after the first step the budget is split among the calls
+(`remat.runtime.split`; a percentage is of the whole step's no-remat peak). A model that
+compiles to one graph gets the same guarantee as `remat.plan`. `whole_step=False` plans
+each graph on its own under the same budget (a percentage: of that graph's own peak). Unlike `remat.plan`, every differentiable output of the graph gets a
 gradient input (dynamo's graph does not know which output is the loss).
 
 Caches: by default remat's compiles bypass inductor's FX-graph cache and AOTAutograd's
@@ -61,6 +65,8 @@ from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
 from remat.runtime import plan_store
+from remat.runtime.ledger import StepLedger
+from remat.runtime.step_graph import LedgeredGraph
 from remat.runtime.inductor_fusion import FUSION_MODES, FusionEstimate, fusion_passes
 from solvers import SOLVERS
 
@@ -79,7 +85,8 @@ class RematBackend:
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
-                 fusion: str = "neighbours", offload: bool | str = "auto", **options: Any) -> None:
+                 fusion: str = "neighbours", offload: bool | str = "auto", whole_step: bool = True,
+                 **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -102,6 +109,10 @@ class RematBackend:
         self.inductor_options = dict(inductor_options or {})
         self.options = dict(options)
         self.sync_ranks = sync_ranks
+        self.whole_step = whole_step
+        self.ledger = StepLedger(budget, solver=solver, options=self.options)
+        """What the step's graphs hold while each runs (`remat.runtime.ledger`)."""
+        self._graphs = 0
         self.steps: list[PlannedStep] = []
         self.measured: Any = None
         """The last `measure(...)` (a `remat.measure.MemoryMeasurement`), or None."""
@@ -120,12 +131,32 @@ class RematBackend:
                 "remat.backend(cache=True) under torch.distributed: a rank that hits torch's "
                 "compile cache skips planning while its peers wait for it in the plan exchange "
                 "(a hang); use cache=False (the default) or sync_ranks=False")
+        if self.whole_step and not _symbolic(gm):
+            graph = LedgeredGraph(self._graphs, self.ledger, functools.partial(
+                self._compile, gm, mode=mode, options=options), on_step=self.steps.append)
+            self._graphs += 1
+            try:
+                return graph.start(example_inputs)
+            except RematError as e:
+                raise passthrough(e) from None
+        compiled, step = self._compile(gm, example_inputs, mode=mode, options=options)
+        if step is not None:
+            self.steps.append(step)
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False, *,
+                 mode: str | None = None, options: dict[str, Any] | None = None
+                 ) -> tuple[Callable[..., Any], PlannedStep | None]:
+        """One compile of `gm`: the callable and what remat planned (None when torch's
+        cache served it or AOTAutograd made no backward)."""
         key = plan_store.plan_key(self.uuid(), gm, example_inputs) if self.cache else None
         partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
                                   options=self.options, started_s=time.perf_counter(),
                                   cost_model=self.cost_model, sync_ranks=self.sync_ranks,
                                   offload=self.offload, compiled_offload=self.compiler == "inductor",
-                                  offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs))
+                                  offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs),
+                                  budget_for=budget_for, best_effort=best_effort)
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -138,16 +169,15 @@ class RematBackend:
                 raise passthrough(error) from None
             raise
         if partitioner.step is not None:
-            self.steps.append(partitioner.step)
             if key is not None:
                 plan_store.store(key, partitioner.step)
-        else:
+        else:  # torch's cache: remat was not called; the plan store's record, if any
             self.cache_hits += 1
             stored = plan_store.load(key) if key is not None else None
             if stored is not None:
                 self.steps.append(stored)
                 self.stored_steps += 1
-        return compiled
+        return compiled, partitioner.step
 
     def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
         """The link bandwidth offload may use for this graph's device, or None (off)."""
@@ -188,7 +218,9 @@ class RematBackend:
                     "written without cache=True, or cleared); build the backend with cache=False (the "
                     "default) for a report")
             raise RematError("nothing planned yet: run the compiled model under autograd first")
-        head = (f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
+        step_wide = self.whole_step and self.ledger.predicted_step_bytes is not None
+        head = (self.ledger.describe() if self.whole_step and len(self.steps) > 1 else
+                f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
                 "each planned on its own" if len(self.steps) > 1 else "")
         compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
         if self.cache_hits:
@@ -200,13 +232,15 @@ class RematBackend:
                              f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
                              for e in self.fusion_estimates))
         if self.measured is not None:
-            predicted = sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps)
+            predicted = (self.ledger.predicted_step_bytes if step_wide else
+                         sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps))
             margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
                          + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
-                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 else ")"))
-            budget = sum(step.budget_bytes for step in self.steps)
+                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
+            budget = (self.ledger.budget_bytes if step_wide
+                      else sum(step.budget_bytes for step in self.steps))
             if self.measured.peak_bytes > budget:
                 compiled += (f"\nWARNING: the measured peak is {format_bytes(self.measured.peak_bytes - budget)} "
                              "over the budget: what inductor ran differs from remat's op-by-op model "
@@ -235,8 +269,9 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
     as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":
     on CUDA only); under inductor the store and reload are custom ops
-    (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). Other keyword
-    arguments go to the solver."""
+    (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). whole_step:
+    one budget for the whole step across its graphs (default; `remat.runtime.ledger`) or
+    each graph on its own (False). Other keyword arguments go to the solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
 
@@ -280,6 +315,15 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: s
     only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
     of what fusion of that kind adds (`remat.runtime.inductor_estimate`); None: plan once."""
     return _partitioner_class()(partitioner, uuid, fusion)
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether the graph has symbolic sizes (dynamic shapes): a plan's bytes are then
+    those of the size it was traced at, so the ledger cannot add them up per step."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    return any(free_symbols(n.meta.get("example_value")) for n in gm.graph.nodes
+               if n.op == "placeholder" and n.meta.get("example_value") is not None)
 
 
 def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Partitioner):

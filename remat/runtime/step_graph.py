@@ -1,0 +1,146 @@
+"""The callable a `remat.backend` returns to dynamo for one captured graph, when the
+budget is the whole step's (`runtime.ledger`): at every call it measures what is held
+outside the graph and runs the plan ("variant") the step's split gives this call,
+planning it on first use. One graph called at several points of a step (FSDP2's layer
+graph, once per layer) may run a different variant at each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from remat.budget import format_bytes
+from remat.errors import InfeasibleBudgetError
+from remat.runtime import split
+from remat.runtime.ledger import Call, Compile, StepLedger
+
+Variant = tuple[Callable[..., Any], Any]  # (compiled callable, PlannedStep)
+
+
+def _peak(step: Any) -> int:
+    """A plan's predicted peak, with what inductor's fusion adds to it."""
+    return step.evaluation.peak_bytes + getattr(step, "fusion_margin_bytes", 0)
+
+
+class LedgeredGraph:
+    def __init__(self, graph: int, ledger: StepLedger, compile: Compile,
+                 on_step: Callable[[Any], None]) -> None:
+        self.graph = graph
+        self.ledger = ledger
+        self._compile = compile
+        self._on_step = on_step
+        self.variants: list[Variant] = []
+        self._save_all_boundary: int | None = None
+
+    def start(self, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Plan the first variant at compile time; returns what dynamo should call.
+        Fake example inputs (DDPOptimizer compiles its buckets on fake tensors) cannot be
+        measured: that plan is a guess that the first real call corrects."""
+        fake = any(isinstance(a, torch._subclasses.FakeTensor) for a in example_inputs)
+        outside, pending = 0, ()
+        if not fake:
+            seen = self.ledger.begin(example_inputs)
+            outside, pending = seen.outside_bytes, seen.pending
+        compiled, step = self._plan(example_inputs, self._learning(outside, pending), strict=False)
+        if step is None:  # nothing planned (a cache hit, an inference graph): run it as is
+            return compiled
+        return self
+
+    def __call__(self, *call_args: Any) -> Any:
+        # boxed (one list, which the callee may clear) or not: dynamo calls either way
+        boxed = len(call_args) == 1 and isinstance(call_args[0], list)
+        args = call_args[0] if boxed else call_args
+        seen = self.ledger.begin(args)
+        # from the second step: plus the gradients that appear before its backward ends
+        outside = seen.outside_bytes + (self.ledger.future_grad_bytes(len(self.ledger.current))
+                                        if self.ledger.knows_the_step else 0)
+        (compiled, step), share = self._choose(args, outside, seen.pending)
+        boundary = split.boundary_bytes(step.graph_problem.problem, step.plan)
+        call = Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
+                    peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
+                    held_bytes=0, boundary_bytes=boundary,
+                    no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
+                    params=seen.params, with_grad=seen.with_grad)
+        out = compiled(*call_args)
+        self.ledger.record(call, out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # what AOTAutograd's callable carries besides the call (zero_grad, serialize, ...)
+        if name.startswith("__") or not self.__dict__.get("variants"):
+            raise AttributeError(name)
+        return getattr(self.variants[0][0], name)
+
+    def _choose(self, args: Sequence[Any], outside: int, pending: tuple[int, ...]) -> tuple[Variant, int]:
+        ledger = self.ledger
+        if not ledger.knows_the_step:
+            share = ledger.learning_share(outside, pending, self.variants[0][1].baseline_peak_bytes)
+            fits = self._fitting(share)
+            if fits is not None:
+                return fits, share
+            floors = [v for v in self.variants if _peak(v[1]) > v[1].budget_bytes]
+            if floors:  # already at its floor: no plan of this graph peaks lower
+                return min(floors, key=lambda v: _peak(v[1])), share
+            return self._plan(args, self._learning(outside, pending), strict=False), share
+        if ledger.shares is None:
+            raise ledger.refusal()
+        limit = ledger.budget_bytes - outside
+        option = ledger.planned_share(len(ledger.current), self.graph)
+        if option is not None:
+            # a plan it has that peaks and holds no more than the option does keeps every
+            # call of the split under the budget too, without a compile
+            planned = [v for v in self.variants if _peak(v[1]) <= option.peak_bytes
+                       and split.boundary_bytes(v[1].graph_problem.problem, v[1].plan) <= option.boundary_bytes]
+            variant = (min(planned, key=lambda v: v[1].evaluation.cost_s) if planned else
+                       self._plan(args, lambda _: option.budget_bytes, strict=True, outside=outside))
+            if _peak(variant[1]) <= limit:
+                return variant, option.budget_bytes
+        # more is held outside than the split predicted (or a call the first step did not
+        # make): a plan that fits what is measured, or a refusal
+        fits = self._fitting(limit)
+        if fits is not None:
+            return fits, limit
+        return self._plan(args, lambda _: max(1, limit), strict=True, outside=outside), limit
+
+    def _fitting(self, share: int) -> Variant | None:
+        fits = [v for v in self.variants if _peak(v[1]) <= share]
+        return min(fits, key=lambda v: (v[1].evaluation.cost_s, -_peak(v[1]))) if fits else None
+
+    def _learning(self, outside: int, pending: tuple[int, ...]) -> Callable[[int], int]:
+        return lambda baseline: max(1, self.ledger.learning_share(outside, pending, baseline))
+
+    def _plan(self, args: Sequence[Any], budget_for: Callable[[int], int], *, strict: bool,
+              outside: int = 0) -> Variant:
+        try:
+            compiled, step = self._compile(list(args), budget_for, not strict)
+        except InfeasibleBudgetError as e:
+            if not outside:  # nothing held outside: the planner's own refusal says it all
+                raise
+            raise self._refusal(e, outside) from None
+        if step is not None:
+            self.variants.append((compiled, step))
+            self.ledger.graphs.setdefault(self.graph, []).append(step)
+            self._on_step(step)
+        return compiled, step
+
+    def _refusal(self, error: InfeasibleBudgetError, outside: int) -> InfeasibleBudgetError:
+        need = outside + error.min_peak_bytes
+        position = len(self.ledger.current)
+        return InfeasibleBudgetError(
+            f"whole-step budget {self.ledger.budget!r}: when graph {self.graph} runs (call {position} "
+            f"of the step), {format_bytes(outside)} are live outside it (earlier graphs' saved "
+            "activations, tensors crossing graph boundaries, other graphs' parameters and "
+            f"gradients), leaving {format_bytes(error.budget_bytes)}, below its smallest reachable "
+            f"peak {format_bytes(error.min_peak_bytes)}; raise the budget to at least {need} bytes, "
+            "shrink the batch, or use fewer graph breaks",
+            budget_bytes=outside + error.budget_bytes, min_peak_bytes=need,
+            min_peak_plan=error.min_peak_plan,
+        )
+
+    def _no_remat_boundary(self, step: Any) -> int:
+        if self._save_all_boundary is None:
+            option = split.save_all_option(step.graph_problem.problem, step.baseline_peak_bytes)
+            self._save_all_boundary = option.boundary_bytes
+        return self._save_all_boundary
