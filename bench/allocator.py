@@ -4,6 +4,9 @@ tracker-measured peak per zoo model at 100%, 60% and the reported floor.
     HF_HUB_OFFLINE=1 python bench/allocator.py [--models cnn,resnet,gpt2] [--size tiny]
         [--workspace on|off] [--time-limit 2]
 
+Models: the zoo's (`remat/zoo.py`, at --size) and bench/models_hf.py's tiny transformers
+models (convnext, clip, t5, whisper, llama8, mamba).
+
 allocator: `remat.measure.measure_step_profiler` (every byte the CPU allocator serves,
 kernel scratch included: what the budget promises). tracker: `remat.measure.measure_step`
 (tensor storages only). The floor is `InfeasibleBudgetError.min_peak_bytes` from a 1-byte
@@ -13,6 +16,7 @@ budget. The table goes to stdout.
 from __future__ import annotations
 
 import argparse
+import types
 import os
 import sys
 from pathlib import Path
@@ -20,6 +24,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # bench/solvers.py must not shadow the `solvers` package that remat imports.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.append(str(Path(__file__).resolve().parent))  # last: bench/models_hf.py
 
 import torch  # noqa: E402
 
@@ -46,8 +51,19 @@ def _measure(planned, case) -> tuple[int, int]:
     return peaks[0], peaks[1]
 
 
+def _case(name: str, size: str):
+    """A zoo model, or one of bench/models_hf.py's (seeded like the zoo)."""
+    if name in zoo.NAMES:
+        return zoo.build(name, size=size)
+    from models_hf import BUILDERS
+
+    torch.manual_seed(0)
+    model, args, kwargs = BUILDERS[name](torch.Generator().manual_seed(1))
+    return types.SimpleNamespace(model=model.train(), args=args, kwargs=kwargs)
+
+
 def rows(name: str, size: str, options: dict) -> list[str]:
-    case = zoo.build(name, size=size)
+    case = _case(name, size)
     try:
         remat.plan(case.model, case.args, case.kwargs, budget=1, **options)
         floor = None
