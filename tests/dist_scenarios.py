@@ -96,6 +96,33 @@ def ddp_grads_equal() -> dict[str, Any]:
     }
 
 
+def ddp_compiled() -> dict[str, Any]:
+    """torch.compile(DDP(model), backend=remat.backend) against the same with aot_eager:
+    DDPOptimizer splits the graph at bucket boundaries, one whole-step budget for all."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    base = qwen2(hidden=128)
+    reference = copy.deepcopy(base)
+    backend = remat.backend(budget="90%", solver="chen-greedy", compiler="eager")
+    # 1 MB buckets (DDP's first bucket is 1 MB) of ~2.5 MB of gradients: several graphs
+    ours = torch.compile(DDP(base, bucket_cap_mb=1), backend=backend)
+    theirs = torch.compile(DDP(reference, bucket_cap_mb=1), backend="aot_eager")
+    for step in range(2):  # the first step learns the split, the second runs it
+        batch = rank_batch(rank, step)
+        for model, run in ((base, ours), (reference, theirs)):
+            model.zero_grad(set_to_none=True)
+            run(**batch).loss.backward()
+    ledger = backend.ledger
+    return {
+        "grads_equal": all(torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), reference.parameters())),
+        "graphs": len({c.graph for c in ledger.last_step}),
+        "step": (ledger.budget_bytes, ledger.predicted_step_bytes,
+                 [c.outside_bytes + c.peak_bytes for c in ledger.last_step]),
+        "recomputed": sum(len(s.evaluation.recomputed_ids) for s in backend.steps),
+    }
+
+
 class TwoLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -116,15 +143,10 @@ def plans_agree() -> dict[str, Any]:
             "decisions": tuple(d.value for d in planned.plan.decisions.values())}
 
 
-class AllReduceScale(nn.Module):
-    """A forward that all-reduces a statistic (as tensor/sequence parallel layers do)
-    and uses it in a differentiable product, so backward needs the collective's value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(32, 32)
-        self.b = nn.Linear(32, 32)
+class AllReduceScale(TwoLayer):
+    """TwoLayer's layers, with a forward that all-reduces a statistic (as tensor/sequence
+    parallel layers do) and uses it in a differentiable product, so backward needs the
+    collective's value."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed._functional_collectives as funcol
@@ -271,6 +293,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "fsdp2_plan": fsdp2_plan_refused,
     "fsdp2_compile": fsdp2_compiled,
     "fsdp2_bf16": fsdp2_mixed_precision,
+    "ddp_compile": ddp_compiled,
 }
 
 

@@ -3,7 +3,8 @@ module (`dist_scenarios.py` runs every scenario in each rank), a transformers Qw
 each rank on its own data. Asserts per rank: DDP gradients bit-equal to DDP(model),
 the same all-reduce buckets and gradient hooks, one plan on every rank, collectives
 never recomputed, FSDP2 compositions that cannot work refused with a RematError, and
-FSDP2 through the compile backend: eager FSDP2's gradients and collectives, a lower peak."""
+FSDP2 through the compile backend: eager FSDP2's gradients and collectives, a lower peak;
+compiled DDP (DDPOptimizer's bucket graphs) under one whole-step budget."""
 
 import pickle
 import socket
@@ -128,3 +129,16 @@ def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
         assert f["grads_equal"]
         assert f["grad_dtypes"] == ["torch.float32"]
         assert "torch.bfloat16" in f["recomputed_dtypes"]
+
+
+def test_compiled_ddp_one_budget_for_every_bucket_graph(ranks):
+    """torch.compile(DDP(model), backend=remat.backend(compiler="eager")): DDPOptimizer
+    splits the graph at bucket boundaries (1 MB buckets: 3 graphs); one whole-step budget
+    for all of them, gradients bit-equal to the same compile with aot_eager."""
+    facts = _facts(ranks, "ddp_compile")
+    for f in facts:
+        assert f["grads_equal"]
+        assert f["graphs"] == 3 and f["recomputed"] > 0
+        budget, predicted, calls = f["step"]
+        assert all(peak <= predicted for peak in calls) and predicted <= budget
+    assert facts[0]["step"] == facts[1]["step"]  # one plan, one split on every rank

@@ -11,6 +11,8 @@ to its end): at 70% the first plan measured 755,232 B over a budget of 734,736 B
 inductor's estimate rose 49,156 B with fusion; the backend replans under the budget
 minus that. Compiles are shared through module fixtures (tens of seconds each here)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -28,7 +30,8 @@ class Gated(nn.Module):
     def forward(self, x):
         h = x
         for i, lin in enumerate(self.layers):
-            h = torch.tanh(lin(h)) * torch.sigmoid(x * self.scales[i])
+            gate = torch.sigmoid(x * self.scales[i])  # before the layer: the order measured
+            h = torch.tanh(lin(h)) * gate
         return h.square().mean()
 
 
@@ -36,13 +39,16 @@ def _compiled(budget, **kwargs):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = Gated(), torch.randn(256, 64)
+    eager = copy.deepcopy(model)
     be = backend(budget=budget, **kwargs)
     fn = torch.compile(model, backend=be)
     fn(x).backward()
+    eager(x).backward()
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters())]
     model.zero_grad(set_to_none=True)  # the profiler cannot see frees before the step
     measured = be.measure(lambda: fn(x).backward(), register=(model, x))
     (step,) = be.steps
-    return be, step, measured
+    return be, step, measured, grads
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,7 @@ def neighbours():
 
 
 def test_measured_peak_under_a_tight_budget_under_inductor(neighbours):
-    be, step, measured = neighbours
+    be, step, measured, _ = neighbours
     assert step.evaluation.recomputed_ids  # a tight plan: the gates are recomputed
     assert step.fusion_margin_bytes > 0  # inductor's fusion adds bytes here...
     predicted = step.evaluation.peak_bytes + step.fusion_margin_bytes
@@ -64,6 +70,15 @@ def test_measured_peak_under_a_tight_budget_under_inductor(neighbours):
     (fw, bw) = be.fusion_estimates
     assert (fw.graph, bw.graph) == ("forward", "backward")
     assert bw.after_fusion_bytes - bw.before_fusion_bytes == step.fusion_margin_bytes
+
+
+def test_the_replanned_step_computes_eager_gradients(neighbours):
+    # the joint graph was partitioned twice (plan, then replan under the margin); the
+    # second partition is what runs. Tolerance: float32 rounding of inductor's fused
+    # kernels (see test_backend_inductor.py).
+    _, _, _, grads = neighbours
+    for compiled_grad, eager_grad in grads:
+        torch.testing.assert_close(compiled_grad, eager_grad)
 
 
 def test_inductors_own_fusion_cannot_hold_the_same_budget():

@@ -26,6 +26,10 @@ What inductor may change after the partition, and what remat pins:
   (a recomputation with its twin from another layer) and runs them at the first one's
   place, which measured over the budget at tight budgets (GPT-2 tiny at 47.9% of its
   no-remat peak: 322,819 B over; neighbours only: under, at the same step time).
+- What fusion still adds (a fused run of neighbours keeps its inputs to its end) is read
+  from inductor before anything runs (`remat.runtime.inductor_estimate`): each plan's
+  graphs are lowered and scheduled, inductor's estimate before vs after fusion is the
+  margin, and remat replans under the budget minus it (`PlannedStep.fusion_margin_bytes`).
 
 The budget is a promise for the whole step (`remat.runtime.ledger`): when dynamo splits
 the step into several graphs (graph breaks, DDPOptimizer's buckets, FSDP2's wrapped
@@ -42,7 +46,8 @@ cache, so that every compile plans (and `steps`/`summary` describe what runs) on
 machine's measured costs. `cache=True` keeps both caches: the key holds the partitioner's
 `uuid()`, which covers everything a plan depends on (budget, solver and its options, cost
 model, the device figures, remat's source), so a hit reuses a plan made from the same
-inputs; on a hit remat is not called, and `cache_hits` counts it.
+inputs; on a hit remat is not called, `cache_hits` counts it, and the plan is read back
+from remat's plan store (`remat.runtime.plan_store`), so `steps`/`summary` still work.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ estimate rose 49,156 B with fusion; the step measured 49,932 B over remat's pred
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ import torch
 from torch import fx
 
 from remat.runtime.inductor_fusion import FusionEstimate, fusion_passes
+
+log = logging.getLogger(__name__)
 
 
 class _Scheduled(Exception):
@@ -102,6 +105,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                 budget_bytes=budget_bytes, min_peak_bytes=step.evaluation.peak_bytes + margin)
             raise partitioner.error
         partitioner.budget = budget_bytes - worst
+        log.info("remat: inductor's fusion adds %d B to a plan peaking at %d B; replanning under %d B",
+                 margin, step.evaluation.peak_bytes, partitioner.budget)
         try:
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
         except InfeasibleBudgetError as e:

@@ -76,6 +76,8 @@ class Call:
     """Storages of its parameter arguments that require grad."""
     with_grad: frozenset = frozenset()
     """Storages of the parameters (any call's) that had a gradient when it started."""
+    counted: frozenset = frozenset()
+    """Storages of the parameters counted in `outside_bytes` (those seen by then)."""
 
     @property
     def step_peak_bytes(self) -> int:
@@ -95,6 +97,7 @@ class Seen:
     pending: tuple[int, ...]
     params: frozenset
     with_grad: frozenset
+    counted: frozenset
 
 
 class StepLedger:
@@ -147,7 +150,8 @@ class StepLedger:
                         params.add(key)
         outside, with_grad = self._live_bytes(exclude=mine)
         return Seen(outside_bytes=outside, pending=tuple(position for position, _ in self._pending),
-                    params=frozenset(params), with_grad=with_grad)
+                    params=frozenset(params), with_grad=with_grad,
+                    counted=frozenset(k for k in self._params if k not in mine))
 
     def future_grad_bytes(self, position: int) -> int:
         """Gradients that appear while the call at `position` of a known step runs:
@@ -220,8 +224,15 @@ class StepLedger:
             self.first_step = self.last_step
             self._split()
 
+    def _unseen_param_bytes(self, call: Call) -> int:
+        """Parameters live during a first-step call that it could not count: those of
+        graphs that had not run yet (the second step's measurement counts them)."""
+        unseen = set(self._params) - call.counted - call.params
+        return sum(self._param_bytes.get(k, 0) for k in unseen if not k.expired())
+
     def _split(self) -> None:
-        records = [c.record(self.future_grad_bytes(i)) for i, c in enumerate(self.first_step)]
+        records = [c.record(self.future_grad_bytes(i) + self._unseen_param_bytes(c))
+                   for i, c in enumerate(self.first_step)]
         save_all = {graph: split.save_all_option(steps[0].graph_problem.problem, steps[0].baseline_peak_bytes)
                     for graph, steps in self.graphs.items()}
         self.no_remat_step_bytes = split.no_remat_step_bytes(records, save_all)

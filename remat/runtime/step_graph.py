@@ -52,6 +52,10 @@ class LedgeredGraph:
         # boxed (one list, which the callee may clear) or not: dynamo calls either way
         boxed = len(call_args) == 1 and isinstance(call_args[0], list)
         args = call_args[0] if boxed else call_args
+        if any(isinstance(a, torch._subclasses.FakeTensor) for a in args):
+            # DDPOptimizer runs each compiled bucket once on fake tensors at compile time
+            # (for its output strides): no memory, nothing for the ledger
+            return self.variants[0][0](*call_args)
         seen = self.ledger.begin(args)
         # from the second step: plus the gradients that appear before its backward ends
         outside = seen.outside_bytes + (self.ledger.future_grad_bytes(len(self.ledger.current))
@@ -62,7 +66,7 @@ class LedgeredGraph:
                     peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
                     held_bytes=0, boundary_bytes=boundary,
                     no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
-                    params=seen.params, with_grad=seen.with_grad)
+                    params=seen.params, with_grad=seen.with_grad, counted=seen.counted)
         out = compiled(*call_args)
         self.ledger.record(call, out)
         return out
