@@ -15,7 +15,7 @@ import torch
 
 import remat
 from remat import zoo
-from remat.measure import measure_step
+from remat.measure import measure_step, measure_step_profiler
 from remat.runtime import rng
 from solvers import Decision, solve
 
@@ -157,3 +157,20 @@ def test_other_random_ops_replay_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
     measured = measure_step(lambda: planned(x, y).backward(), register=(model, x, y)).peak_bytes
     assert measured == planned.predicted_peak_bytes
+
+
+def test_a_replay_holds_the_generator_state_and_the_problem_counts_it(planned):
+    """A replay copies the generator's current state (to put it back after), outside the
+    dispatcher: the allocator sees those bytes while the op runs, a tensor tracker does
+    not. Each replayable op's workspace in the problem includes them."""
+    state = rng.generator_state("cpu")
+    x = torch.randn(64, 64)
+    allocated = measure_step_profiler(lambda: rng.random_op_replay(state, "cpu", torch.ops.aten.rand_like.default, x))
+    assert allocated.peak_bytes == x.nbytes + state.nbytes
+    _, _, p = planned
+    gp, nodes = p.step.graph_problem, p.problem.nodes
+    replayable = [i for i, name in enumerate(gp.value_name) if name.startswith("dropout_mask")]
+    assert replayable
+    for i in replayable:
+        dropped_output = 4 * nodes[i].out_bytes  # fp32 output, bool mask: made and dropped
+        assert nodes[i].workspace_bytes >= dropped_output + state.nbytes, gp.value_name[i]

@@ -43,7 +43,8 @@ class Replayable:
     cost_s: Mapping[str, float]
     """Seconds of the new random nodes (their original op's estimate), by fx name."""
     workspace_bytes: Mapping[str, int]
-    """Per `dropout_mask` node: the output bytes its op makes and drops."""
+    """Per replayable node: the generator state a replay holds while it runs, and for a
+    `dropout_mask` node also the output bytes its op makes and drops."""
 
     def costs(self, cost_s: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
         """`cost_s`, knowing the new nodes (whose targets are Python functions)."""
@@ -62,13 +63,20 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
         if node.op != "call_function" or not info.is_required_fw(node) or not _replayable(node):
             continue
         cost = cost_s(node)
+        # A replay holds the generator's current state (`rng.at_state`'s copy, made
+        # outside the dispatcher: the allocator sees it, a tensor tracker does not) while
+        # its op runs: counted as the op's workspace (in forward, where nothing is
+        # copied, that over-counts the state's bytes at one step).
+        held = state_numel(_device(node)) if _device(node) is not None else 0
         if node.target is _NATIVE_DROPOUT:
             made = _split_dropout(joint.graph, node)
             if made is not None:
                 costs[made[0].name] = cost
-                workspace[made[0].name] = made[1]
+                workspace[made[0].name] = made[1] + held
         elif isinstance(node.meta.get("val"), torch.Tensor):
-            costs[_wrap_random(joint.graph, node).name] = cost
+            wrapped = _wrap_random(joint.graph, node)
+            costs[wrapped.name] = cost
+            workspace[wrapped.name] = held
     if costs:
         joint.graph.lint()
         joint.recompile()
@@ -76,7 +84,7 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
 
 
 def with_replay_workspace(problem: Problem, value_name: tuple[str, ...], replayable: Replayable) -> Problem:
-    """`problem` with each replayed mask's dropped output as its op's workspace."""
+    """`problem` with each replayable op's workspace (`Replayable.workspace_bytes`)."""
     if not replayable.workspace_bytes:
         return problem
     nodes = list(problem.nodes)
