@@ -67,7 +67,7 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
         # outside the dispatcher: the allocator sees it, a tensor tracker does not) while
         # its op runs: counted as the op's workspace (in forward, where nothing is
         # copied, that over-counts the state's bytes at one step).
-        held = state_numel(_device(node)) if _device(node) is not None else 0
+        held = state_numel(_device(node))  # `_replayable` checked the device
         if node.target is _NATIVE_DROPOUT:
             made = _split_dropout(joint.graph, node)
             if made is not None:
