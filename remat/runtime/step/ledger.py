@@ -21,7 +21,7 @@ First step (learning): nothing is known of the graphs that have not run yet, so 
 call is planned under `budget - outside` as measured then (a percentage: of the running
 estimate of the whole step's no-remat peak), and a call whose share is below its floor
 runs at its floor instead of being refused. When the first step ends, the ledger knows
-every call and splits the budget among them (`runtime.split`: a percentage is then of
+every call and splits the budget among them (`runtime.step.split`: a percentage is then of
 the whole step's predicted no-remat peak). From the second step on, every call runs the
 plan of its share; if no split fits, the first call of the step is refused with an
 `InfeasibleBudgetError` naming the smallest reachable whole-step peak, before anything
@@ -46,8 +46,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
-from remat.runtime import split
-from remat.runtime.fsdp_bytes import FsdpState
+from remat.runtime.step import split
+from remat.runtime.step.fsdp import FsdpState
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,7 +129,7 @@ class StepLedger:
         self._param_bytes: dict[StorageWeakRef, int] = {}
         self._pending: list[tuple[int, list[bool]]] = []  # (position, backward done?)
         self.fsdp = FsdpState()
-        """FSDP2's sharded state and buffers, outside every graph (`runtime.fsdp_bytes`)."""
+        """FSDP2's sharded state and buffers, outside every graph (`runtime.step.fsdp`)."""
 
     @property
     def knows_the_step(self) -> bool:
