@@ -8,7 +8,7 @@ Composition: shard first, then `torch.compile(model, backend=remat.backend(...))
 (`remat.plan` over a sharded model is refused: see `remat.distributed`.) Dynamo splits
 the step at every FSDP2 module (its all-gathers and reduce-scatters run in eager hooks,
 between the graphs, never inside a plan): here 3 graphs, the layer graph serving all 4
-layers. The budget is the whole step's (`remat.runtime.ledger`): each graph call is
+layers. The budget is the whole step's (`remat.runtime.step.ledger`): each graph call is
 planned under the budget minus what is live outside it when it runs (earlier layers'
 saved activations, tensors crossing graphs, the other graphs' parameters and gradients),
 and a percentage is of the whole step's no-remat peak. A layer graph's inputs include
