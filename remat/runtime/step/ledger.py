@@ -12,6 +12,9 @@ called, from the storages it has seen (weak references; each storage once):
 - every tensor argument and output of every call, and what each call's autograd node
   saved for backward (`grad_fn.saved_tensors`), while they are alive;
 - every parameter argument ever seen, and every gradient they have when the call starts;
+- under FSDP2, what it holds outside every graph (`runtime.step.fsdp`): the sharded
+  parameters and gradients, the other groups' unsharded parameters, its collective
+  buffers, and a bound on what its hooks allocate around the call;
 - the gradients that will appear before the call's backward ends: those of the
   parameters of the calls after it in the step (their backward runs first) that have
   none yet (known from the second step on: the first step cannot see the graphs that
