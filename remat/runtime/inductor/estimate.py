@@ -1,6 +1,6 @@
 """What inductor's fusion adds to a plan's peak, read from inductor itself, before it runs.
 
-Even with fusion kept to neighbours (`remat.runtime.inductor_fusion`), a fused kernel
+Even with fusion kept to neighbours (`remat.runtime.inductor.fusion`), a fused kernel
 is not op by op: it keeps every input of its run of ops until the run ends while it
 writes the run's outputs, where `solvers.simulate` frees an input after its last op.
 remat cannot see this in its own model, so it asks inductor: each planned graph is
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.runtime.inductor_fusion import FusionEstimate, fusion_passes
+from remat.runtime.inductor.fusion import FusionEstimate, fusion_passes
 
 log = logging.getLogger(__name__)
 
