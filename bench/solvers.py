@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def mip_model(problem: Problem, backend: str):
-    """ilp_model's node-step model as a time-indexed MIP, for problems without views or
-    offload: y[v,t] = "v brought back by node t", q[v,t] = "v read at or after t",
+    """solvers/ilp/model.py's node-step model as a time-indexed MIP, for problems without
+    views or offload: y[v,t] = "v brought back by node t", q[v,t] = "v read at or after t",
     a[v,t] = "v's storage live at t"; memory <= budget at every node step."""
     from ortools.linear_solver import pywraplp
 
-    from solvers.ilp_data import model_data
+    from solvers.ilp.data import model_data
 
     d, nodes = model_data(problem), problem.nodes
     if any(nodes[v].alias_of is not None for v in d.decision) or problem.offload_bandwidth_bytes_per_s:

@@ -59,7 +59,7 @@ class PlannedStep:
     """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
     fusion_margin_bytes: int = 0
     """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
-    (inductor's own estimate, `remat.runtime.inductor_estimate`); the plan was made to fit
+    (inductor's own estimate, `remat.runtime.inductor.estimate`); the plan was made to fit
     `budget_bytes` with this margin. 0 elsewhere."""
 
 
@@ -75,7 +75,7 @@ class Partitioner:
         self.num_params = num_params
         self.budget_for = budget_for
         """The budget in bytes given this graph's no-remat peak, instead of resolving
-        `budget` against it (the whole-step ledger's share, `runtime.ledger`)."""
+        `budget` against it (the whole-step ledger's share, `runtime.step.ledger`)."""
         self.best_effort = best_effort
         """Run at the lowest peak found instead of refusing when no plan fits (the
         ledger's first step, which cannot know the rest of the step yet)."""
@@ -157,7 +157,9 @@ class Partitioner:
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
         if replayable is not None:
-            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable))
+            measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed)
+            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
+                                                                       joint=joint if measured else None))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))

@@ -26,11 +26,11 @@ register(SolverSpec(name="greedy", run=solve_greedy, options_type=Options, exact
                     summary="recompute the cheapest bytes first (out_bytes / compute_s), then trim"))
 
 # --- exact solvers and auto (dp, ilp, auto) ---
-from solvers.dp import DPOptions, solve_dp  # noqa: E402
+from solvers.dp.solver import DPOptions, solve_dp  # noqa: E402
 
 register(SolverSpec(name="dp", run=solve_dp, options_type=DPOptions, exact=True,
                     summary="exact DP over chains and block sequences (articulation points)"))
-from solvers.ilp import ILPOptions, solve_ilp  # noqa: E402
+from solvers.ilp.solver import ILPOptions, solve_ilp  # noqa: E402
 
 register(SolverSpec(name="ilp", run=solve_ilp, options_type=ILPOptions, exact=True,
                     summary="CP-SAT over the canonical plan space, checked by simulate (no-good cuts)"))

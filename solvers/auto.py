@@ -7,7 +7,7 @@ The choice, in order:
      enough: `layers` (exact over its plan space, in which the few values shared
      between layers, such as a causal mask, are kept; lower_bound_s is over that space);
      it gets `time_limit_s` (default `default_time_limit_s`) for its block tables;
-  3. a chain or a sequence of blocks (dp_structure.analyze succeeds) whose blocks are
+  3. a chain or a sequence of blocks (dp.structure.analyze succeeds) whose blocks are
      small enough: `dp` (exact, seconds even at 10,000 nodes);
   4. otherwise `ilp` under `time_limit_s` (default 10 s): OPTIMAL, or FEASIBLE with a
      lower bound; it is warm-started from the best heuristic plan, so it is never worse

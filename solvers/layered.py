@@ -6,7 +6,7 @@ structure marks as shared between layers (a causal mask, rotary tables:
 `LayerStructure.shared_values`), those on a forward output's storage, views of
 parameters (`kept_values`), and the values needed only to recompute kept ones; and with
 each pure forward view decided as its base. Everything else is decided exactly, block by
-block, by dp's machinery (dp_structure / dp_local / dp_fronts): the shared values are
+block, by dp's machinery (solvers/dp/: structure, local, fronts): the shared values are
 what keeps a traced stack from splitting into blocks, and keeping them costs a few KiB.
 
 Traced graphs have two more features dp's block model does not describe: the loss is a
@@ -37,10 +37,10 @@ import logging
 import math
 import time
 
-from solvers import dp_fronts as fronts
+from solvers.dp import fronts
 from solvers.base import WorkClock, finish
-from solvers.dp import DPOptions, _cheapest, block_tables
-from solvers.dp_structure import analyze
+from solvers.dp.solver import DPOptions, _cheapest, block_tables
+from solvers.dp.structure import analyze
 from solvers.problem import Decision, Phase, Plan, Problem
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import evaluate

@@ -85,7 +85,7 @@ def test_no_recompile_on_second_call(compiled):
     frames = counters["stats"]["unique_graphs"]
     for _ in range(2):
         # gradients left from an earlier step are live during the next one, and the
-        # whole-step budget counts them (remat.runtime.ledger): clear them, as a step does
+        # whole-step budget counts them (remat.runtime.step.ledger): clear them, as a step does
         model.zero_grad(set_to_none=True)
         _loss(fn, x)
     assert counters["stats"]["unique_graphs"] == frames
@@ -234,7 +234,7 @@ def test_bf16_autocast_gradients_do_not_depend_on_the_plan():
     plan that recomputes and one that saves everything give the same bits; without it
     inductor keeps the fused value in fp32 (measured on this model: max gradient
     difference 4.9e-4, /tmp experiment in the notes)."""
-    # eager costs and room for fusion's margin (remat.runtime.inductor_estimate): nothing recomputed
+    # eager costs and room for fusion's margin (remat.runtime.inductor.estimate): nothing recomputed
     saving, saved_grads = _bf16_grads("150%", "eager")
     recomputing, recomputed_grads = _bf16_grads("80%", "compiled")
     assert not saving.evaluation.recomputed_ids

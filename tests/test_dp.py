@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from solvers import Decision, Node, Phase, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
 from solvers import builders
-from solvers.dp import block_tables, predict
-from solvers.dp_local import InvalidLocal
-from solvers.dp_structure import analyze
+from solvers.dp.solver import block_tables, predict
+from solvers.dp.local import InvalidLocal
+from solvers.dp.structure import analyze
 from oracles import REL, assert_equals_brute
 from strategies import COSTS, problems
 
@@ -188,7 +188,7 @@ def test_dp_is_optimal_on_a_10k_node_transformer_in_seconds():
 
 
 def test_dp_options_are_documented_and_frozen():
-    from solvers.dp import DPOptions
+    from solvers.dp.solver import DPOptions
 
     opts = DPOptions(max_block_configs=8)
     with pytest.raises(dataclasses.FrozenInstanceError):

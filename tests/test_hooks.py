@@ -5,21 +5,11 @@ hooks) see the user's modules, never remat's graphs inside AOTAutograd's Functio
 import copy
 
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import remat
 from remat.frontend import costs
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x):
-        return self.head(self.layers(x)).square().mean()
+from nets import Tower
 
 
 def _flops(fn, x):
@@ -30,7 +20,7 @@ def _flops(fn, x):
 
 def test_flop_counter_mode_counts_a_planned_step_exactly():
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(512, 32)
+    model, x = Tower(d=32, depth=6), torch.randn(512, 32)
     eager = copy.deepcopy(model)
     planned = remat.plan(model, (x,), budget="80%", solver="chen-greedy")
     step = planned.step
@@ -43,7 +33,7 @@ def test_flop_counter_mode_counts_a_planned_step_exactly():
 
 def test_global_module_hooks_see_the_users_modules_only():
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(64, 32)
+    model, x = Tower(d=32, depth=6), torch.randn(64, 32)
     planned = remat.plan(model, (x,), budget="90%", solver="chen-greedy")
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))

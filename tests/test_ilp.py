@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
-from solvers import builders, ilp_model
+from solvers import builders
+from solvers.ilp import model as ilp_model
 from solvers.brute import valid_plans
-from solvers.dp_structure import analyze
-from solvers.ilp import ILPOptions
+from solvers.dp.structure import analyze
+from solvers.ilp.solver import ILPOptions
 from oracles import REL, assert_equals_brute, node_step_bytes
 from strategies import problems
 

@@ -99,7 +99,7 @@ def test_fused_attention_without_dropout_is_recomputed_bit_for_bit():
 def test_llama_stack_splits_into_blocks_per_layer():
     """The reduced LLaMA graph is a block sequence with an attention and an MLP block per
     layer: the RMSNorm backward reads its input (a block boundary) before its rsqrt."""
-    from solvers.dp_structure import analyze
+    from solvers.dp.structure import analyze
     from solvers.layered import _behind, fold_views, kept_values
 
     case, planned = _planned("llama", "100%", "none")

@@ -18,6 +18,7 @@ from remat.frontend.layouts import eager_cpu_layouts
 from remat.measure import measure_step
 from remat.runtime.backend import backend
 from solvers import Decision
+from nets import assert_trains_like_eager
 
 aten = torch.ops.aten
 
@@ -91,11 +92,7 @@ def _grads_and_buffers_equal(planned_step, model, x):
     loss_p.backward()
     loss_e = eager(x)
     loss_e.backward()
-    assert torch.equal(loss_p, loss_e)
-    for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(b.grad, a.grad), f"gradient of {name} differs"
-    for (name, a), b in zip(eager.named_buffers(), model.buffers(), strict=True):
-        assert torch.equal(b, a), f"buffer {name} differs"
+    assert_trains_like_eager(loss_p, loss_e, model, eager)
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -11,24 +11,14 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.runtime.backend import backend
 from remat.runtime.offload_ops import RELOAD, STORE
 from solvers import Decision, solve
+from nets import Tower
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
-
-
-class Tower(nn.Module):
-    def __init__(self, d: int = 64, depth: int = 4):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(depth)])
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        return self.head(self.layers(x)).square().mean()
 
 
 @pytest.mark.parametrize(

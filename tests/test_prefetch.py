@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import remat
 from remat.measure import measure_step
 from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, evaluate, simulate, solve
 from solvers.prefetch import prefetch, prefetched_ids
+from nets import Tower
 from strategies import problems
 
 S, O = Decision.SAVE, Decision.OFFLOAD
@@ -157,20 +157,10 @@ def test_prefetch_never_breaks_the_budget_nor_raises_the_cost(problem):
 
 # ---- executed: CPU, host store -----------------------------------------------------------
 
-class Tower(nn.Module):
-    def __init__(self, d: int = 64, depth: int = 6):
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(depth)])
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        return self.head(self.layers(x)).square().mean()
-
-
 @pytest.mark.usefixtures("one_thread")  # conftest.py
 def test_prefetched_step_peaks_as_predicted_and_equals_eager():
     torch.manual_seed(0)
-    model, x = Tower(), torch.randn(1024, 64)
+    model, x = Tower(depth=6), torch.randn(1024, 64)
     planned = remat.plan(model, (x,), budget="80%", solver="greedy", offload=True)
     step = planned.step
     problem = step.graph_problem.problem

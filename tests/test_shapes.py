@@ -15,6 +15,7 @@ import remat
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step
 from solvers import Decision
+from nets import assert_trains_like_eager
 
 # Measured for Seq below (batch 4): recompute-only floor / offload floor in bytes:
 # T=32 502440 / 486056, T=64 733864 / 701096, T=96 965288 / 916136,
@@ -67,11 +68,7 @@ def _step_matches_eager(model, planned, length):
     loss_p.backward()
     loss_e = eager(*batch)
     loss_e.backward()
-    assert torch.equal(loss_p, loss_e)
-    for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(b.grad, a.grad), f"T={length}: gradient of {name} differs"
-    for (name, a), b in zip(eager.named_buffers(), model.buffers(), strict=True):
-        assert torch.equal(b, a), f"T={length}: buffer {name} differs"
+    assert_trains_like_eager(loss_p, loss_e, model, eager, where=f"T={length}")
 
 
 @pytest.mark.parametrize("length", [32, 96, 64])

@@ -1,5 +1,5 @@
 """One budget for the whole step when torch.compile splits it into graphs
-(remat.runtime.ledger, remat.runtime.split): a model with two graph breaks (three
+(remat.runtime.step.ledger, remat.runtime.step.split): a model with two graph breaks (three
 graphs) under remat.backend(compiler="eager"), the profiler's measured peak of the
 whole step under the budget and under the ledger's prediction, gradients bit-equal to
 eager, and a percentage that is of the whole step's no-remat peak (per graph, the

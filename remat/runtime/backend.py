@@ -22,21 +22,21 @@ What inductor may change after the partition, and what remat pins:
   0.0156 measured), so the gradients would depend on which values remat recomputed. With
   it, every plan gives the same gradients as saving everything under inductor.
 - Fusion is kept to neighbours in remat's order (`fusion="neighbours"`, the default;
-  `remat.runtime.inductor_fusion`): inductor's own fusion joins kernels from far apart
+  `remat.runtime.inductor.fusion`): inductor's own fusion joins kernels from far apart
   (a recomputation with its twin from another layer) and runs them at the first one's
   place, which measured over the budget at tight budgets (GPT-2 tiny at 47.9% of its
   no-remat peak: 322,819 B over; neighbours only: under, at the same step time).
 - What fusion still adds (a fused run of neighbours keeps its inputs to its end) is read
-  from inductor before anything runs (`remat.runtime.inductor_estimate`): each plan's
+  from inductor before anything runs (`remat.runtime.inductor.estimate`): each plan's
   graphs are lowered and scheduled, inductor's estimate before vs after fusion is the
   margin, and remat replans under the budget minus it (`PlannedStep.fusion_margin_bytes`).
 
-The budget is a promise for the whole step (`remat.runtime.ledger`): when dynamo splits
+The budget is a promise for the whole step (`remat.runtime.step.ledger`): when dynamo splits
 the step into several graphs (graph breaks, DDPOptimizer's buckets, FSDP2's wrapped
 modules), each graph call is planned under the budget minus what is live outside it
 (earlier graphs' saved activations, tensors crossing graph boundaries, the other graphs'
 parameters and gradients), and after the first step the budget is split among the calls
-(`remat.runtime.split`; a percentage is of the whole step's no-remat peak). A model that
+(`remat.runtime.step.split`; a percentage is of the whole step's no-remat peak). A model that
 compiles to one graph gets the same guarantee as `remat.plan`. `whole_step=False` plans
 each graph on its own under the same budget (a percentage: of that graph's own peak). Unlike `remat.plan`, every differentiable output of the graph gets a
 gradient input (dynamo's graph does not know which output is the loss).
@@ -47,7 +47,7 @@ machine's measured costs. `cache=True` keeps both caches: the key holds the part
 `uuid()`, which covers everything a plan depends on (budget, solver and its options, cost
 model, the device figures, remat's source), so a hit reuses a plan made from the same
 inputs; on a hit remat is not called, `cache_hits` counts it, and the plan is read back
-from remat's plan store (`remat.runtime.plan_store`), so `steps`/`summary` still work.
+from remat's plan store (`remat.runtime.inductor.plan_store`), so `steps`/`summary` still work.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ from remat.frontend.offloading import check_offload, offload_device, resolve_ban
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
-from remat.runtime import plan_store
-from remat.runtime.ledger import StepLedger
-from remat.runtime.step_graph import LedgeredGraph
-from remat.runtime.inductor_fusion import FUSION_MODES, FusionEstimate, fusion_passes
+from remat.runtime.inductor import plan_store
+from remat.runtime.step.ledger import StepLedger
+from remat.runtime.step.graph import LedgeredGraph
+from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
 from solvers import SOLVERS
 
 COMPILERS = ("inductor", "eager")
@@ -116,7 +116,7 @@ class RematBackend:
         self.sync_ranks = sync_ranks
         self.whole_step = whole_step
         self.ledger = StepLedger(budget, solver=solver, options=self.options)
-        """What the step's graphs hold while each runs (`remat.runtime.ledger`)."""
+        """What the step's graphs hold while each runs (`remat.runtime.step.ledger`)."""
         self._graphs = 0
         self.steps: list[PlannedStep] = []
         self.measured: Any = None
@@ -275,7 +275,7 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":
     on CUDA only); under inductor the store and reload are custom ops
     (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). whole_step:
-    one budget for the whole step across its graphs (default; `remat.runtime.ledger`) or
+    one budget for the whole step across its graphs (default; `remat.runtime.step.ledger`) or
     each graph on its own (False). Other keyword arguments go to the solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
@@ -299,7 +299,7 @@ def _partitioner_class() -> type:
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             if self.fusion is None:
                 return self.partitioner(gm, joint_inputs, **kwargs)
-            from remat.runtime.inductor_estimate import plan_under_fusion
+            from remat.runtime.inductor.estimate import plan_under_fusion
 
             return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
 
@@ -318,7 +318,7 @@ def _partitioner_class() -> type:
 def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
     only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
-    of what fusion of that kind adds (`remat.runtime.inductor_estimate`); None: plan once."""
+    of what fusion of that kind adds (`remat.runtime.inductor.estimate`); None: plan once."""
     return _partitioner_class()(partitioner, uuid, fusion)
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers.ilp_data import model_data, runs
+from solvers.ilp.data import model_data, runs
 from solvers.problem import Decision, Problem
 
 MAX_KNAPSACKS = 1024

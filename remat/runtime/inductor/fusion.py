@@ -134,7 +134,7 @@ def _pass_classes() -> tuple[type, type]:
                 self.record.append(FusionEstimate(graph=graph, before_fusion_bytes=before,
                                                   after_fusion_bytes=_estimate_bytes(nodes)))
             if self.stop is not None:
-                raise self.stop  # an estimate only (remat.runtime.inductor_estimate)
+                raise self.stop  # an estimate only (remat.runtime.inductor.estimate)
             return nodes
 
     return BeforeFusion, AfterFusion

@@ -2,15 +2,15 @@
 
 Plan space: simulate's canonical plan space (every decision value SAVE / RECOMPUTE /
 OFFLOAD where allowed, canonical schedule), the same space `brute` enumerates. `dp`
-splits the problem at articulation points into blocks (dp_structure.py; a chain is a
+splits the problem at articulation points into blocks (structure.py; a chain is a
 sequence of one-value blocks, a transformer one block per residual branch). For each
 block it enumerates the block's configurations (decisions of irrelevant values fixed)
-and replays the canonical schedule of the block's phases exactly (dp_local.py). The
+and replays the canonical schedule of the block's phases exactly (local.py). The
 earlier blocks affect block b only through a constant K (bytes they keep alive) and,
 when the boundary a_{b-1} is dropped, the profile of recomputing it (P, N, NR), so a
 forward DP over blocks keeps, per (decision of a_b, "the suffix brings a_b back"), the
 Pareto front of (K, cost, P, N, NR): exact, in integer bytes, with no discretization
-(dp_fronts.py). Speed: identical layers share one table (their static bytes differ by
+(fronts.py). Speed: identical layers share one table (their static bytes differ by
 a constant); a backward pass over a relaxation (exact K when the kept bytes have a
 usable gcd, cascade summaries at their floors) bounds the cost of finishing from any
 partial plan; a beam search guided by it gives a plan, which is returned at once when
@@ -33,10 +33,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from solvers.base import Options, WorkClock, finish
-from solvers import dp_fronts as fronts
-from solvers.dp_fronts import DROPPED, Option, local_peak, next_summary
-from solvers.dp_local import NEG, BlockEvaluator, InvalidLocal, Local
-from solvers.dp_structure import Block, BlockSequence, analyze
+from solvers.dp import fronts
+from solvers.dp.fronts import DROPPED, Option, local_peak, next_summary
+from solvers.dp.local import NEG, BlockEvaluator, InvalidLocal, Local
+from solvers.dp.structure import Block, BlockSequence, analyze
 from solvers.problem import Decision, Plan, Problem
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import evaluate

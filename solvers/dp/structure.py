@@ -10,7 +10,7 @@ id ranges) at boundary values a_1 < ... < a_{K-1} (a_b is the last value of B_b)
 A boundary is a plain value (no alias, not aliased, not an output). Under these rules the
 canonical schedule's memory decomposes: during block b's phases (forward F_b and backward
 G_b) the earlier blocks contribute a constant (what they keep) plus, when a_{b-1} is
-dropped, the profile of recomputing it (see dp_local.py). Bytes that no decision changes
+dropped, the profile of recomputing it (see local.py). Bytes that no decision changes
 (parameters, inputs, non-decision forward values, backward values) are the *static* part,
 computed once per step here.
 """

@@ -1,5 +1,5 @@
 """The callable a `remat.backend` returns to dynamo for one captured graph, when the
-budget is the whole step's (`runtime.ledger`): at every call it measures what is held
+budget is the whole step's (`runtime.step.ledger`): at every call it measures what is held
 outside the graph and runs the plan ("variant") the step's split gives this call,
 planning it on first use. One graph called at several points of a step (FSDP2's layer
 graph, once per layer) may run a different variant at each."""
@@ -13,8 +13,8 @@ import torch
 
 from remat.budget import format_bytes
 from remat.errors import InfeasibleBudgetError
-from remat.runtime import split
-from remat.runtime.ledger import Call, Compile, StepLedger
+from remat.runtime.step import split
+from remat.runtime.step.ledger import Call, Compile, StepLedger
 
 Variant = tuple[Callable[..., Any], Any]  # (compiled callable, PlannedStep)
 

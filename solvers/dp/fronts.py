@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from solvers.dp_local import NEG, Local
+from solvers.dp.local import NEG, Local
 from solvers.problem import Decision
 
 DROPPED = (Decision.RECOMPUTE, Decision.OFFLOAD)

@@ -1,18 +1,18 @@
-"""What the CP-SAT model (ilp_model.py) needs from a problem, in node-step time.
+"""What the CP-SAT model (model.py) needs from a problem, in node-step time.
 
 Node steps: forward ids 0..F-1, then backward ids F..F+T-1 (the recomputations before a
 backward node are "at" that node). Per decision value: its forward children, its first
 and last backward read (a backward view of it extends the read to the view's last use),
 and per plain decision storage: its forward end (last forward use, through forward
 views; the last step if an output lives in it) and its decision members. Static bytes
-per node step come from dp_structure.static_profile (shared with dp).
+per node step come from dp.structure.static_profile (shared with dp).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from solvers.dp_structure import static_profile
+from solvers.dp.structure import static_profile
 from solvers.problem import Phase, Problem
 
 

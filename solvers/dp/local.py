@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from solvers.dp_structure import Block
+from solvers.dp.structure import Block
 from solvers.problem import Decision, Phase, Problem
 
 NEG = float("-inf")
@@ -79,7 +79,7 @@ class BlockEvaluator:
         self.problem = problem
         self.block = block
         self.fixed = fixed
-        """Decision values kept outside every block (dp_structure.analyze's `fixed`):
+        """Decision values kept outside every block (structure.analyze's `fixed`):
         always on the device, counted in the static bytes."""
         self.nodes = problem.nodes
         self.values = block.values

@@ -1,6 +1,6 @@
 """How the whole step's budget is split among the graph calls of a step.
 
-Inputs, from the first step (`runtime.ledger`): per call, the bytes measured live
+Inputs, from the first step (`runtime.step.ledger`): per call, the bytes measured live
 outside it when it started (`outside_bytes`), which earlier calls were still waiting for
 their backward then (`pending`), and what each call's plan held across its forward and
 backward (`held_bytes`, measured: its autograd node's saved tensors). What is outside a

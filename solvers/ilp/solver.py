@@ -3,7 +3,7 @@
 Plan space: exactly brute's and dp's: every decision value SAVE / RECOMPUTE / OFFLOAD
 where allowed, run by simulate's canonical schedule (no explicit schedule is returned).
 
-Formulation (ilp_model.py): per value the decision booleans save/drop/off; need, rec,
+Formulation (model.py): per value the decision booleans save/drop/off; need, rec,
 reload (brought back, recomputed, reloaded in backward); fn (first need) and lr (last
 read) as integers in node-step time; one interval per storage (forward, recompute,
 reload) with its bytes, and a Cumulative constraint with the static bytes under the
@@ -15,7 +15,7 @@ the relaxation optimal: the relaxation's optimum is then a plan), else forbid ex
 that plan (a no-good) and solve again. Any CP-SAT bound is a valid lower bound.
 
 Lower bound by row generation (before that loop, `rows_share` of the time): the knapsack
-rows alone (ilp_model.py: per node step, the bytes every plan must hold there) are a far
+rows alone (model.py: per node step, the bytes every plan must hold there) are a far
 faster relaxation; its optimum is simulated, and at each node step where it overflows
 the row is strengthened, then solved again. A strengthened row also counts the values
 that a chain of recomputations of any depth brought back by its step, and saved values
@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from ortools.sat.python import cp_model
 
 from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish, hint_decisions
-from solvers.ilp_model import CanonicalModel
+from solvers.ilp.model import CanonicalModel
 from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
 from solvers.simulate import PlanError, evaluate

@@ -1,0 +1,33 @@
+"""Small torch models and checks shared by the tests that plan real modules.
+
+(`oracles.py` and `strategies.py` serve the torch-free solver tests; this one imports torch.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Tower(nn.Module):
+    """`depth` Linear+Tanh layers, `d` wide, a Linear head and a squared-mean loss: the
+    smallest model whose activations scale with depth and whose plans are easy to read."""
+
+    def __init__(self, d: int = 64, depth: int = 4):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(depth)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.layers(x)).square().mean()
+
+
+def assert_trains_like_eager(loss, loss_eager, model: nn.Module, eager: nn.Module, where: str = "") -> None:
+    """Loss, every gradient and every buffer (BatchNorm's running stats: updated once)
+    `torch.equal` to eager's, after both ran their backward."""
+    at = f"{where}: " if where else ""
+    assert torch.equal(loss, loss_eager), f"{at}loss differs"
+    for (name, a), b in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(b.grad, a.grad), f"{at}gradient of {name} differs"
+    for (name, a), b in zip(eager.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(b, a), f"{at}buffer {name} differs"
