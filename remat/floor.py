@@ -50,9 +50,14 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     problem = gp.problem
     key = problem.with_budget(0)
     limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
-    candidates = [least_peak_plan(problem, time_limit_s=limit, seed=options.get("seed", 0)), failed]
-    if key in _FLOOR_PLANS:
-        candidates.append(_FLOOR_PLANS[key])
+    remembered = _FLOOR_PLANS.get(key)
+    if remembered is not None and remembered.peak_bytes <= problem.budget_bytes:
+        # it fits: no new search (inductor's loop plans one problem at several budgets)
+        candidates = [remembered, failed]
+    else:
+        candidates = [least_peak_plan(problem, time_limit_s=limit, seed=options.get("seed", 0)), failed]
+        if remembered is not None:
+            candidates.append(remembered)
     best = min(candidates, key=lambda p: (p.peak_bytes, p.objective_s))
     floor_plan = finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=started_s)
     _remember(key, floor_plan)

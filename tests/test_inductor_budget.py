@@ -103,3 +103,4 @@ def test_unknown_fusion_mode_is_refused():
     with pytest.raises(remat.RematError, match="fusion='all'"):
         backend(budget="80%", fusion="all")
     assert backend(budget="80%", fusion="inductor").uuid() != backend(budget="80%").uuid()
+

@@ -149,23 +149,44 @@ def _allocated_bytes(line: Any) -> int:
     return 0
 
 
-def generated_bytes(uncounted: frozenset[str]) -> int:
+def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, int]:
+    """The inputs both accountings count, each with its storage: two saved values may
+    share one (a tensor and a view of it), which holds its bytes once."""
+    from remat.frontend.profile import storage_key
+
+    return {n.name: storage_key(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")
+            if n.name not in uncounted and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def generated_bytes(counted: dict[str, int]) -> int:
     """Peak of the graph inductor is generating (`V.graph`), from its wrapper's planned
     lines: an allocation (or a buffer an extern kernel returns) adds its bytes, a free
-    not turned into a reuse removes them, a reuse hands a buffer on (no change), an
-    input's free removes it if it counted (`uncounted`: see `uncounted_inputs`)."""
+    not turned into a reuse removes them, a reuse hands a buffer on (no change). Inputs
+    (`counted`: name -> storage, see `counted_inputs`) count once per storage from the
+    start, until the free of the last one sharing it or a reuse that hands it on."""
     from torch._inductor.codegen import wrapper as w
     from torch._inductor.virtualized import V
 
     graph = V.graph
-    inputs = {name: buf for name, buf in graph.graph_inputs.items()
-              if name not in uncounted and hasattr(buf, "get_output_spec")}  # tensors, not SymInts
-    live = peak = sum(_buffer_bytes(buf) for buf in inputs.values())
+    sharing: dict[int, set[str]] = {}
+    storage_bytes: dict[int, int] = {}
+    for name, buf in graph.graph_inputs.items():
+        if name in counted and hasattr(buf, "get_output_spec"):  # tensors, not SymInts
+            sharing.setdefault(counted[name], set()).add(name)
+            storage_bytes[counted[name]] = max(storage_bytes.get(counted[name], 0), _buffer_bytes(buf))
+    live = peak = sum(storage_bytes.values())
     for line in graph.wrapper_code.lines:
         if isinstance(line, w.FreeIfNotReusedLine):
             live -= 0 if line.is_reused else _buffer_bytes(line.node)
-        elif isinstance(line, w.FreeLine):
-            live -= _buffer_bytes(line.node) if line.node.get_name() in inputs else 0
+        elif isinstance(line, (w.FreeLine, w.ReuseLine)) and line.node.get_name() in counted:
+            key = counted[line.node.get_name()]
+            names = sharing.get(key, set())
+            if isinstance(line, w.ReuseLine):  # the output owns the storage now, and frees it
+                names.clear()
+                storage_bytes.pop(key, None)
+            elif line.node.get_name() in names:
+                names.discard(line.node.get_name())
+                live -= 0 if names else storage_bytes.pop(key, 0)
         else:
             live += _allocated_bytes(line)
             peak = max(peak, live)
@@ -185,14 +206,15 @@ def _generated(error: BaseException | None) -> bool:
 
 
 @contextlib.contextmanager
-def _stop_before_kernels(record: list[int], uncounted: frozenset[str]):
-    """Stop inductor's compile once it has its wrapper code, recording `generated_bytes`:
+def _stop_before_kernels(record: list[int], counted: dict[str, int]):
+    """Stop inductor's compile once it has its wrapper code, recording `generated_bytes`
+    (`counted`: see `counted_inputs`):
     `GraphLowering.save_output_code` is inductor's hook on the finished code, called
     before any kernel is compiled (torch marks it for patching)."""
     from torch._inductor.graph import GraphLowering
 
     def stop(_code: str) -> None:
-        record.append(generated_bytes(uncounted))
+        record.append(generated_bytes(counted))
         raise _Generated
 
     saved = GraphLowering.save_output_code
@@ -273,9 +295,9 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
         op_by_op = op_by_op_bytes(gm, uncounted)
         passes = fusion_passes(fusion, record)
         generated: list[int] = []
+        stop = _stop_before_kernels(generated, counted_inputs(gm, uncounted))
         try:
-            with config.patch({**passes, "fx_graph_cache": False}), _stop_before_kernels(generated, uncounted), \
-                    _donating(donated):
+            with config.patch({**passes, "fx_graph_cache": False}), stop, _donating(donated):
                 compile_fx_inner(graph, _example_inputs(graph), is_backward=is_backward)
         except Exception as e:  # inductor may wrap what the hook raised
             if not _generated(e):
