@@ -10,12 +10,13 @@ the step at every FSDP2 module (its all-gathers and reduce-scatters run in eager
 between the graphs, never inside a plan): here 3 graphs, the layer graph serving all 4
 layers. The budget is the whole step's (`remat.runtime.step.ledger`): each graph call is
 planned under the budget minus what is live outside it when it runs (earlier layers'
-saved activations, tensors crossing graphs, the other graphs' parameters and gradients),
-and a percentage is of the whole step's no-remat peak. A layer graph's inputs include
-the layer's unsharded parameters, live from its all-gather to its reshard, so the plan
-counts them. What the ledger cannot see: FSDP2's sharded parameters and gradients
-(never graph inputs) and its communication buffers, so under FSDP2 the step's peak is
-measured against the budget, not proven.
+saved activations, tensors crossing graphs, the other graphs' parameters and gradients,
+and FSDP2's own memory: sharded parameters and gradients, the unsharded parameters of
+the other groups, all-gather and reduce-scatter buffers; `remat.runtime.step.fsdp`), and
+a percentage is of the whole step's no-remat peak. A layer graph's inputs include the
+layer's unsharded parameters, live from its all-gather to its reshard, so the plan counts
+them. The measured peak counts what is live before the step (sharded parameters, the
+batch) plus the profiler's rise, and stays under the ledger's prediction.
 Every rank runs rank 0's plans. The peak is measured with the profiler's allocator
 events (dispatch modes would make dynamo fall back to eager).
 """
@@ -82,13 +83,17 @@ def train(rank: int, port: int, budget: str, steps: int) -> None:
     peaks: dict[str, int] = {}
     for name, run in runs.items():
         for step in range(steps):
-            def one_step(step: int = step) -> None:
-                run(**batch(rank, step)).loss.backward()
-            module = modules[name]
+            tokens = batch(rank, step)
+
+            def one_step(tokens: dict[str, torch.Tensor] = tokens) -> None:
+                run(**tokens).loss.backward()
             if step == 0:
                 one_step()  # the first step compiles: its peak is the compiler's
             else:
-                peak = measure_step_profiler(one_step, register=(module,)).peak_bytes
+                # live before the step: the sharded parameters (DTensors: their local
+                # shards) and the batch; gradients were set to None by zero_grad
+                live = [p.to_local().detach() for p in modules[name].parameters()] + list(tokens.values())
+                peak = measure_step_profiler(one_step, register=live).peak_bytes
                 peaks[name] = max(peaks.get(name, 0), peak)
             optimizers[name].step()
             optimizers[name].zero_grad()
@@ -102,7 +107,10 @@ def train(rank: int, port: int, budget: str, steps: int) -> None:
              f"{format_bytes(peaks['compiled'])} compiled without remat "
              f"({peaks['fsdp2+remat'] / peaks['compiled']:.0%}); "
              f"{len(backend.steps)} graphs planned; weights after {steps} steps differ from "
-             f"plain FSDP2's by at most {drift:.1e}"]
+             f"plain FSDP2's by at most {drift:.1e}",
+             f"rank {rank}: measured {peaks['fsdp2+remat']:,} B <= predicted "
+             f"{backend.ledger.predicted_step_bytes:,} B <= budget {backend.ledger.budget_bytes:,} B "
+             f"(the whole step's, FSDP2's sharded state and buffers counted)"]
     if rank == 0:
         lines.append(backend.ledger.describe())
         for k, planned in enumerate(backend.steps):

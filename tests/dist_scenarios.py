@@ -228,17 +228,31 @@ FSDP2_STEP_BUDGET = "85%"
 """Of the whole step's no-remat peak (the ledger's), shared by every graph call."""
 
 
+def _census_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes live before a step that the profiler's peak (a rise above the start) leaves
+    out: the sharded parameters and gradients, and the batch (each storage once)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    tensors = [p.to_local() for p in model.parameters()]
+    tensors += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    tensors += list(batch.values())
+    return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def fsdp2_compiled() -> dict[str, Any]:
     """torch.compile(fully_shard-ed Qwen2, backend=remat.backend) against eager FSDP2."""
     rank = dist.get_rank()
     base = qwen2()
     eager, ours = _shard(copy.deepcopy(base)), _shard(base)
     backend = remat.backend(budget=FSDP2_STEP_BUDGET, solver="chen-greedy", compiler="eager")
-    runs = {"eager": eager, "remat": torch.compile(ours, backend=backend)}
+    runs = {"eager": (eager, eager), "remat": (ours, torch.compile(ours, backend=backend))}
     facts: dict[str, Any] = {}
-    for name, run in runs.items():
+    for name, (model, run) in runs.items():
         run(**rank_batch(rank, 0)).loss.backward()  # compiles
-        facts[name] = _profiled(lambda run=run: run(**rank_batch(rank, 1)).loss.backward())
+        batch = rank_batch(rank, 1)
+        census = _census_bytes(model, batch)
+        collectives, rise = _profiled(lambda run=run, batch=batch: run(**batch).loss.backward())
+        facts[name] = (collectives, census + rise)
     layer = base.model.layers[0]
     steps = backend.steps
     biggest = max(steps, key=lambda s: len(s.graph_problem.problem.nodes))
@@ -252,6 +266,9 @@ def fsdp2_compiled() -> dict[str, Any]:
                     len(s.evaluation.recomputed_ids)) for s in steps],
         "step": (backend.ledger.budget_bytes, backend.ledger.predicted_step_bytes,
                  [(c.graph, c.outside_bytes + c.peak_bytes) for c in backend.ledger.last_step]),
+        "no_remat_step_bytes": backend.ledger.no_remat_step_bytes,
+        "sharded_bytes": sum(p.to_local().untyped_storage().nbytes() for p in ours.parameters()),
+        "first_call_outside_bytes": backend.ledger.last_step[0].outside_bytes,
         "layer_unsharded_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
         "layer_graph_source_bytes": sum(n.out_bytes for n in problem.nodes
                                         if n.phase.name in ("PARAM", "INPUT")),

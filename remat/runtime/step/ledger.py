@@ -12,6 +12,9 @@ called, from the storages it has seen (weak references; each storage once):
 - every tensor argument and output of every call, and what each call's autograd node
   saved for backward (`grad_fn.saved_tensors`), while they are alive;
 - every parameter argument ever seen, and every gradient they have when the call starts;
+- under FSDP2, what it holds outside every graph (`runtime.step.fsdp`): the sharded
+  parameters and gradients, the other groups' unsharded parameters, its collective
+  buffers, and a bound on what its hooks allocate around the call;
 - the gradients that will appear before the call's backward ends: those of the
   parameters of the calls after it in the step (their backward runs first) that have
   none yet (known from the second step on: the first step cannot see the graphs that
@@ -47,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
 from remat.runtime.step import split
+from remat.runtime.step.fsdp import FsdpState
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,6 +131,8 @@ class StepLedger:
         self._params: dict[StorageWeakRef, tuple[weakref.ref, int]] = {}
         self._param_bytes: dict[StorageWeakRef, int] = {}
         self._pending: list[tuple[int, list[bool]]] = []  # (position, backward done?)
+        self.fsdp = FsdpState()
+        """FSDP2's sharded state and buffers, outside every graph (`runtime.step.fsdp`)."""
 
     @property
     def knows_the_step(self) -> bool:
@@ -138,6 +144,7 @@ class StepLedger:
         self._pending = [p for p in self._pending if not p[1][0]]
         if not self._pending and self.current:
             self._close_step()
+        self.fsdp.discover(args)
         mine, params = set(), set()
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -149,6 +156,8 @@ class StepLedger:
                     if a.requires_grad:
                         params.add(key)
         outside, with_grad = self._live_bytes(exclude=mine)
+        if self.fsdp.found:
+            outside += self.fsdp.transient_bytes()
         return Seen(outside_bytes=outside, pending=tuple(position for position, _ in self._pending),
                     params=frozenset(params), with_grad=with_grad,
                     counted=frozenset(k for k in self._params if k not in mine))
@@ -161,6 +170,9 @@ class StepLedger:
             return 0
         call = self.first_step[position]
         later = set().union(*(c.params for c in self.first_step[position + 1:]))
+        # FSDP2 reduce-scatters a non-root group's gradients right after its backward:
+        # what remains, the sharded gradient, is in `fsdp.transient_bytes`
+        later -= self.fsdp.transient_grads()
         return sum(self._param_bytes.get(k, 0) for k in later - call.params - call.with_grad)
 
     def learning_share(self, outside: int, pending: tuple[int, ...], baseline: int) -> int:
@@ -227,7 +239,7 @@ class StepLedger:
     def _unseen_param_bytes(self, call: Call) -> int:
         """Parameters live during a first-step call that it could not count: those of
         graphs that had not run yet (the second step's measurement counts them)."""
-        unseen = set(self._params) - call.counted - call.params
+        unseen = set(self._params) - call.counted - call.params - self.fsdp.unsharded()
         return sum(self._param_bytes.get(k, 0) for k in unseen if not k.expired())
 
     def _split(self) -> None:
@@ -320,6 +332,8 @@ class StepLedger:
             if grad is not None:
                 with_grad.add(key)
                 counted[StorageWeakRef(grad.untyped_storage())] = grad.untyped_storage().nbytes()
+        # FSDP2's sharded parameters and gradients, unsharded parameters and buffers
+        counted.update((k, n) for k, n in self.fsdp.live().items() if k not in exclude)
         return sum(counted.values()), frozenset(with_grad)
 
 
