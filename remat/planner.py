@@ -157,7 +157,9 @@ class Partitioner:
         if _measures_workspace(self.options.get("measure_workspace"), self.device_speed):
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
         if replayable is not None:
-            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable))
+            measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed)
+            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
+                                                                       joint=joint if measured else None))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))

@@ -13,9 +13,11 @@ import types
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
 from remat import zoo
+from remat.frontend import workspace
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step, measure_step_profiler
 from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, simulate
@@ -151,3 +153,46 @@ def test_tied_embeddings_and_a_recurrent_scan_stay_under_the_allocator_budget(na
     assert allocator <= planned.budget_bytes
     assert allocator <= predicted <= allocator * 1.03
     assert tracker <= allocator
+
+
+def _only_op(fn, *args):
+    gm = make_fx(fn)(*args)
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is not torch.ops.aten.expand.default)
+
+
+def test_an_op_with_a_keyword_tensor_and_an_expanded_argument_is_measured():
+    """LLaMA's attention backward takes its mask as a keyword argument, expanded (stride
+    0): both once made the measuring call fail, so its 16,512 B of scratch counted as 0
+    and the allocator read 16,512 B over the budget at the floor. Measured here: the
+    workspace equals what the profiler sees around the same call on real tensors."""
+    b, h, n, d = 2, 4, 64, 16
+
+    def attention_backward(g, q, k, v, out, lse, mask):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, False, attn_mask=mask.expand(b, 1, n, n), scale=0.25)
+
+    args = [torch.randn(b, h, n, d) for _ in range(5)] + [torch.randn(b, h, n), torch.zeros(1, 1, n, n)]
+    op = _only_op(attention_backward, *args)
+    assert op.kwargs["attn_mask"].meta["val"].stride()[0] == 0  # expanded over the batch
+    real = measure_step_profiler(lambda: attention_backward(*args))
+    measured = workspace.measure([op], torch.device("cpu"))
+    assert measured[op.name] == real.peak_bytes - real.end_bytes > 0
+
+
+def test_workspace_is_measured_per_intra_op_thread_count():
+    """CPU layer-norm backward keeps per-thread buffers (measured: 2,048 B on 1 thread,
+    4,096 on 2), so a measurement is cached per thread count, not reused across them."""
+    def layer_norm_backward(g, x, mean, rstd, w, bias):
+        return torch.ops.aten.native_layer_norm_backward(g, x, [256], mean, rstd, w, bias, [True] * 3)
+
+    op = _only_op(layer_norm_backward, torch.randn(512, 256), torch.randn(512, 256), torch.randn(512, 1),
+                  torch.randn(512, 1), torch.randn(256), torch.randn(256))
+    before = torch.get_num_threads()
+    try:
+        found = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            found[threads] = workspace.measure([op], torch.device("cpu"))[op.name]
+    finally:
+        torch.set_num_threads(before)
+    assert found[2] == 2 * found[1] > 0

@@ -19,12 +19,14 @@ import contextlib
 import dataclasses
 import operator
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
 from remat.frontend.profile import never_replay_reason, storage_bytes, tensor_val
+from remat.frontend.workspace import joint_device, measure
 from remat.runtime.rng import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
 from solvers import Problem
 
@@ -45,6 +47,10 @@ class Replayable:
     workspace_bytes: Mapping[str, int]
     """Per replayable node: the generator state a replay holds while it runs, and for a
     `dropout_mask` node also the output bytes its op makes and drops."""
+    ops: Mapping[str, tuple[Any, tuple, dict]] = dataclasses.field(default_factory=dict)
+    """Per replayable node: the ATen op a replay runs, (target, args, kwargs) with the
+    joint graph's nodes as tensor arguments; its own workspace is measured on them
+    (`measured_workspace`)."""
 
     def costs(self, cost_s: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
         """`cost_s`, knowing the new nodes (whose targets are Python functions)."""
@@ -59,6 +65,7 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
     info = classify_nodes(joint, [], num_fwd_outputs)
     costs: dict[str, float] = {}
     workspace: dict[str, int] = {}
+    ops: dict[str, tuple[Any, tuple, dict]] = {}
     for node in list(joint.graph.nodes):
         if node.op != "call_function" or not info.is_required_fw(node) or not _replayable(node):
             continue
@@ -69,29 +76,68 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
         # copied, that over-counts the state's bytes at one step).
         held = state_numel(_device(node))  # `_replayable` checked the device
         if node.target is _NATIVE_DROPOUT:
+            op = (node.target, tuple(node.args), dict(node.kwargs))
             made = _split_dropout(joint.graph, node)
             if made is not None:
                 costs[made[0].name] = cost
                 workspace[made[0].name] = made[1] + held
+                ops[made[0].name] = op
         elif isinstance(node.meta.get("val"), torch.Tensor):
+            op = (node.target, tuple(node.args), dict(node.kwargs))
             wrapped = _wrap_random(joint.graph, node)
             costs[wrapped.name] = cost
             workspace[wrapped.name] = held
+            ops[wrapped.name] = op
     if costs:
         joint.graph.lint()
         joint.recompile()
-    return Replayable(cost_s=costs, workspace_bytes=workspace)
+    return Replayable(cost_s=costs, workspace_bytes=workspace, ops=ops)
 
 
-def with_replay_workspace(problem: Problem, value_name: tuple[str, ...], replayable: Replayable) -> Problem:
-    """`problem` with each replayable op's workspace (`Replayable.workspace_bytes`)."""
+def measured_workspace(replayable: Replayable, joint: fx.GraphModule) -> dict[str, int]:
+    """Per replayable node: its ATen op's own workspace, measured on the device as
+    `remat.frontend.workspace` measures every op (a replayable node's target is a Python
+    function, which that pass skips). CPU's `native_dropout` makes a float copy of its
+    mask beside its output (`input.mul(mask)`): as many bytes again as the output."""
+    device = joint_device(joint)
+    if device is None or device.type == "meta" or not replayable.ops:
+        return {}
+    graph = fx.Graph()
+    stand_in: dict[fx.Node, fx.Node] = {}
+
+    def arg(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return a
+        if a not in stand_in:
+            stand_in[a] = graph.placeholder(f"arg{len(stand_in)}")
+            stand_in[a].meta["val"] = a.meta.get("val")
+        return stand_in[a]
+
+    names: dict[str, str] = {}
+    calls = []
+    for name, (target, args, kwargs) in replayable.ops.items():
+        call = graph.call_function(target, fx.node.map_aggregate(args, arg), fx.node.map_aggregate(kwargs, arg))
+        names[call.name] = name
+        calls.append(call)
+    return {names[k]: v for k, v in measure(calls, device).items()}
+
+
+def with_replay_workspace(problem: Problem, value_name: tuple[str, ...], replayable: Replayable,
+                          *, joint: fx.GraphModule | None = None) -> Problem:
+    """`problem` with each replayable op's workspace (`Replayable.workspace_bytes`), and
+    with `joint` (measure_workspace on) also its op's own measured workspace: all of it
+    is live at once while a replay runs (T5 tiny at its floor: the allocator read
+    10,100 B over a prediction that left the mask's float copy out)."""
     if not replayable.workspace_bytes:
         return problem
+    inner = measured_workspace(replayable, joint) if joint is not None else {}
     nodes = list(problem.nodes)
     for i, name in enumerate(value_name):
         extra = replayable.workspace_bytes.get(name)
-        if extra is not None and extra > nodes[i].workspace_bytes:
-            nodes[i] = dataclasses.replace(nodes[i], workspace_bytes=extra)
+        if extra is not None:
+            # the node's target is a Python function: nothing measured it before
+            nodes[i] = dataclasses.replace(nodes[i], workspace_bytes=nodes[i].workspace_bytes + extra
+                                           + inner.get(name, 0))
     return dataclasses.replace(problem, nodes=tuple(nodes))
 
 

@@ -84,14 +84,19 @@ def _materialize(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         shape = tuple(_hint(s) for s in value.shape)
         stride = tuple(_hint(s) for s in value.stride())
-        t = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+        # filled through its storage: an expanded layout (stride 0) cannot be written
+        # element-wise (LLaMA's attention mask is one)
+        span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        base = torch.empty(span, dtype=value.dtype, device=value.device)
         if value.dtype.is_floating_point or value.dtype.is_complex:
-            t.normal_()
+            base.normal_()
         else:
-            t.zero_()
-        return t
+            base.zero_()
+        return base.as_strided(shape, stride)
     if isinstance(value, (list, tuple)):
         return type(value)(_materialize(v) for v in value)
+    if isinstance(value, dict):  # keyword arguments (an attention mask, say)
+        return {k: _materialize(v) for k, v in value.items()}
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _hint(value)
     return value
@@ -104,10 +109,14 @@ def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
     out: dict[str, int] = {}
     todo: dict[tuple, fx.Node] = {}
     keyed: list[tuple[str, tuple]] = []
+    # CPU kernels may size their scratch by the intra-op thread count: measured,
+    # native_layer_norm_backward on (512, 256) allocates 2,048 B on 1 thread, 4,096 on 2
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
     for node in nodes:
         key = op_key(node)
         if key is None:
             continue
+        key = (*key, threads)
         keyed.append((node.name, key))
         if key not in _CACHE:
             todo.setdefault(key, node)
