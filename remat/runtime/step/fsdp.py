@@ -113,10 +113,12 @@ class FsdpState:
                     add(p._unsharded_param)
                     add(p._unsharded_param.grad)
                 add(getattr(p, "unsharded_accumulated_grad", None))
-            result = group._all_gather_result
+            # buffers FSDP2 keeps between hooks (private attributes of torch 2.13's
+            # FSDPParamGroup: absent in another version means not kept there)
+            result = getattr(group, "_all_gather_result", None)
             add(result.all_gather_output if result is not None else None)
-            add(group._partial_reduce_output)
-            reduce_state = group._all_reduce_state
+            add(getattr(group, "_partial_reduce_output", None))
+            reduce_state = getattr(group, "_all_reduce_state", None)
             add(reduce_state.all_reduce_input if reduce_state is not None else None)
         for context in contexts.values():
             gather = getattr(context, "all_gather_state", None)
