@@ -1,13 +1,14 @@
 """A floor that plans: when no plan fits, the smallest reachable peak and the plan that
 reaches it, such that planning at exactly that budget succeeds.
 
-The floor comes from `solvers.floor.least_peak_plan` (deterministic, independent of the
-budget) and from the failed solve's own smallest-peak plan. Floor plans found in this
-process are remembered per graph, so the next solve of the same graph (the user
-re-planning at the reported floor) is warm-started with it (`hint`) and returns it or
-a cheaper plan; a different process reaches the same floor through the deterministic
-search (unless the failed solve happened to peak lower; then pass
-`hint=error.min_peak_plan` to `remat.plan`)."""
+The floor is `solvers.floor.least_peak_plan`'s (deterministic, independent of the budget):
+the failed solve's own smallest-peak plan is not a candidate, since it depends on the
+budget asked for (Whisper tiny read 3,319,048 B from a 60% budget and 3,441,672 B from a
+1-byte one, and a new process planning at the smaller figure was refused). So every
+refusal of one graph states the same floor, in any process, and planning at it succeeds.
+Floor plans found in this process are remembered per graph and search options: the next
+refusal reuses the search, and the next solve of the same graph (the user re-planning
+at the reported floor) is warm-started with it (`hint`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from solvers.floor import FLOOR_TIME_LIMIT_S, least_peak_plan
 
 _REMEMBERED = 16
 """Graphs whose floor plan is remembered (most recent first out)."""
-_FLOOR_PLANS: OrderedDict[Problem, Plan] = OrderedDict()
+_FLOOR_PLANS: OrderedDict[tuple[Problem, float, int], Plan] = OrderedDict()
+"""(graph at budget 0, floor search time limit, seed) -> the floor plan."""
 
 
 def takes_hint(solver: str) -> bool:
@@ -36,7 +38,7 @@ def takes_hint(solver: str) -> bool:
 def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> Plan:
     """`solve`, warm-started with this graph's remembered floor plan when the solver
     takes a hint and the caller gave none."""
-    remembered = _FLOOR_PLANS.get(problem.with_budget(0))
+    remembered = _remembered(problem.with_budget(0))
     if remembered is not None and takes_hint(solver) and "hint" not in options:
         options = {**options, "hint": remembered.decisions}
     return solve(problem, solver, **options)
@@ -48,14 +50,14 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     with the floor plan), else `failed` and the error stating the floor and its plan."""
     started_s = time.perf_counter()
     problem = gp.problem
-    key = problem.with_budget(0)
     limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
-    candidates = [least_peak_plan(problem, time_limit_s=limit, seed=options.get("seed", 0)), failed]
-    if key in _FLOOR_PLANS:
-        candidates.append(_FLOOR_PLANS[key])
-    best = min(candidates, key=lambda p: (p.peak_bytes, p.objective_s))
-    floor_plan = finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=started_s)
-    _remember(key, floor_plan)
+    key = (problem.with_budget(0), float(limit), int(options.get("seed", 0)))
+    if key not in _FLOOR_PLANS:
+        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2])
+        _remember(key, finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
+                              started_s=started_s))
+    _FLOOR_PLANS.move_to_end(key)
+    floor_plan = _FLOOR_PLANS[key]
     if floor_plan.peak_bytes <= problem.budget_bytes:
         if takes_hint(solver):
             plan = solve(problem, solver, **{**options, "hint": floor_plan.decisions})
@@ -74,7 +76,15 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     return failed, error
 
 
-def _remember(key: Problem, plan: Plan) -> None:
+def _remembered(problem: Problem) -> Plan | None:
+    """The most recent floor plan of this graph (at budget 0), whatever its options."""
+    for (graph, _, _), plan in reversed(_FLOOR_PLANS.items()):
+        if graph == problem:
+            return plan
+    return None
+
+
+def _remember(key: tuple[Problem, float, int], plan: Plan) -> None:
     _FLOOR_PLANS[key] = plan
     _FLOOR_PLANS.move_to_end(key)
     while len(_FLOOR_PLANS) > _REMEMBERED:

@@ -39,6 +39,11 @@ from solvers.layered import LayersOptions, solve_layers  # noqa: E402
 register(SolverSpec(name="layers", run=solve_layers, options_type=LayersOptions, exact=False,
                     summary="exact DP over repeated layers (Problem.layers), values shared "
                             "between layers kept; optimal over that space"))
+from solvers.schedules import solve_checkpoint  # noqa: E402
+
+register(SolverSpec(name="checkpoint", run=solve_checkpoint, options_type=Options, exact=False,
+                    summary="per-layer checkpointing (Problem.layers): layer inputs saved, each layer "
+                            "replayed just before its backward and freed after"))
 from solvers.auto import AutoOptions, solve_auto  # noqa: E402
 
 register(SolverSpec(name="auto", run=solve_auto, options_type=AutoOptions, exact=True,

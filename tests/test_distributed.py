@@ -129,17 +129,20 @@ def test_fsdp2_through_the_compile_backend(ranks):
 
 def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
     """MixedPrecisionPolicy(param_dtype=bf16): bf16 values recomputed in backward, fp32
-    sharded gradients equal to the same compiled FSDP2 step without remat."""
+    sharded gradients equal to eager FSDP2's on the same code path; the next step's
+    measured peak under the ledger's prediction (bf16 all-gathers, fp32 gradients)."""
     for f in _facts(ranks, "fsdp2_bf16"):
         assert f["grads_equal"]
         assert f["grad_dtypes"] == ["torch.float32"]
         assert "torch.bfloat16" in f["recomputed_dtypes"]
+        measured, predicted, budget = f["step"]
+        assert measured <= predicted <= budget
 
 
 def test_compiled_ddp_one_budget_for_every_bucket_graph(ranks):
     """torch.compile(DDP(model), backend=remat.backend(compiler="eager")): DDPOptimizer
     splits the graph at bucket boundaries (1 MB buckets: 3 graphs); one whole-step budget
-    for all of them, gradients bit-equal to the same compile with aot_eager."""
+    for all of them, gradients bit-equal to eager DDP's."""
     facts = _facts(ranks, "ddp_compile")
     for f in facts:
         assert f["grads_equal"]

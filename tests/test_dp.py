@@ -194,3 +194,69 @@ def test_dp_options_are_documented_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.max_block_configs = 9  # type: ignore[misc]
     assert opts.time_limit_s is None and opts.workers == 1
+
+
+# ---- exact pruning of configurations ----
+
+
+def _fires(problem: Problem) -> bool:
+    from solvers.dp.solver import _save_dominated
+
+    readers = set(problem.needed_ids)
+    return any(_save_dominated(problem, b, readers) for b in analyze(problem).blocks)
+
+
+@st.composite
+def feeder_chains(draw) -> Problem:
+    """A residual block around a chain in which many values feed one reader only and
+    backward reads few of them (the shape the SAVE dominance prunes), with random bytes,
+    costs and skips."""
+    from solvers.builders import FwdOp, joint_from_forward
+    from strategies import peaks
+
+    ops = [FwdOp(name="x", out_bytes=draw(st.integers(0, 64)), phase=Phase.INPUT, requires_grad=True)]
+    for k in range(draw(st.integers(3, 7))):
+        v = len(ops)
+        inputs = (v - 1,) if draw(st.integers(0, 3)) else tuple(dict.fromkeys((v - 1, draw(st.integers(0, v - 1)))))
+        ops.append(FwdOp(name=f"v{k}", out_bytes=draw(st.sampled_from([8, 16, 32, 64, 96])), inputs=inputs,
+                         compute_s=draw(st.sampled_from(COSTS)),
+                         grad_reads=draw(st.sampled_from([(), (), (v,), inputs[:1]])),
+                         recomputable=draw(st.integers(0, 6)) > 0))
+    # a residual add closes one block around the chain
+    ops.append(FwdOp(name="add", out_bytes=64, inputs=(len(ops) - 1, 1), compute_s=0.125))
+    ops.append(FwdOp(name="loss", out_bytes=4, inputs=(len(ops) - 1,), compute_s=0.5,
+                     grad_reads=(len(ops) - 1,)))
+    problem = joint_from_forward(ops)
+    lo, hi = sorted(peaks(problem))
+    return problem.with_budget(draw(st.one_of(st.integers(lo, hi), st.integers(lo * 4 // 5, lo))))
+
+
+@settings(max_examples=80)
+@given(problem=feeder_chains())
+def test_save_dominance_keeps_dp_equal_to_brute(problem):
+    """Problems where a SAVE is pruned (a value read only by a no-larger reader that
+    recomputes from it alone): dp, which never enumerates those plans, still equals brute
+    (cheapest plan, or the least peak when nothing fits)."""
+    from hypothesis import assume
+
+    assume(_fires(problem))
+    assert_equals_brute(problem, solve(problem, "dp"))
+
+
+def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
+    from solvers.dp.solver import _save_dominated, enumerate_configs
+
+    problem = builders.transformer(2, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=True)
+    seq = analyze(problem)
+    readers = set(problem.needed_ids)
+    block = max(seq.blocks, key=lambda b: len(enumerate_configs(problem, b, 1 << 20)))
+    assert _save_dominated(problem, block, readers)
+    pruned = enumerate_configs(problem, block, 1 << 20)
+    import solvers.dp.solver as dp
+    original = dp._save_dominated
+    try:
+        dp._save_dominated = lambda *_: {}
+        full = enumerate_configs(problem, block, 1 << 20)
+    finally:
+        dp._save_dominated = original
+    assert set(pruned) < set(full)

@@ -67,3 +67,36 @@ def test_planning_at_the_reported_floor_succeeds_and_is_no_costlier():
     with pytest.raises(InfeasibleBudgetError) as below:
         remat.plan(case.model, case.args, case.kwargs, budget=err.min_peak_bytes - 1, **LIMIT)
     assert below.value.min_peak_bytes == err.min_peak_bytes
+
+
+def _graph_problem(problem):
+    from remat.frontend.problem import GraphProblem
+
+    blank = tuple("" for _ in problem.nodes)
+    return GraphProblem(problem=problem, fx_names=tuple(() for _ in problem.nodes), value_name=blank,
+                        source=blank, never_replay={})
+
+
+def test_the_reported_floor_does_not_depend_on_the_failed_solve():
+    """The failed solve's plan depends on the budget asked for; the floor must not (Whisper
+    tiny read 3,319,048 B from a 60% budget, 3,441,672 B from a 1-byte one, and planning
+    at the smaller one in a new process was refused). With a search this short the floor
+    is the recompute-everything plan, and greedy's plan at 30% peaks far lower: it used
+    to become the floor when handed over as the failed solve."""
+    base = builders.random_dag(60, seed=4, view_prob=0.1)
+    options = {"time_limit_s": 1e-3}
+    save = simulate(base, solve(base, "none")).peak_bytes
+    low = solve(base.with_budget(save * 3 // 10), "greedy")
+    floors = set()
+    for failed in (solve(base.with_budget(1), "all"), low):
+        remat_floor._FLOOR_PLANS.clear()
+        _, err = remat_floor.at_the_floor(_graph_problem(base.with_budget(1)), failed, solver="ilp",
+                                          options=options, baseline_bytes=save)
+        floors.add(err.min_peak_bytes)
+    assert floors == {least_peak_plan(base, **options).peak_bytes} and low.peak_bytes < min(floors)
+    remat_floor._FLOOR_PLANS.clear()  # a new process, planning at the floor
+    at_floor = base.with_budget(floors.pop())
+    failed = solve(at_floor, "ilp", **options)
+    plan, err = remat_floor.at_the_floor(_graph_problem(at_floor), failed, solver="ilp", options=options,
+                                         baseline_bytes=save) if failed.status is Status.INFEASIBLE else (failed, None)
+    assert err is None and simulate(at_floor, plan).fits

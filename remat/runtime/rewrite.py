@@ -7,6 +7,8 @@ not saved (the extraction stops at saved values and primals, exactly where `simu
 recursion stops). We then reorder the backward graph to `simulate`'s canonical steps,
 so each recomputation sits just before its first use; fx's codegen frees every value
 after its last use, and AOTAutograd's boxed backward frees saved tensors as it goes.
+A schedule that recomputes a value twice (Plan.schedule) is copied step by step
+instead (`remat.runtime.schedule`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
 from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
+from remat.runtime.schedule import rebuild_backward, recomputes_twice
 from solvers import Decision, Evaluation, Plan, StepKind
 
 
@@ -50,7 +53,11 @@ def partition(
     saved_sym = _saved_sym_nodes(joint)
     saved = [n for n in saved if n not in saved_sym]
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
-    _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
+    rebuilt = recomputes_twice(evaluation)
+    if rebuilt:  # extraction recomputes a value once: copy the steps instead
+        rebuild_backward(bw, joint, graph_problem, evaluation)
+    else:
+        _drop_dead_copies(bw, {name for names in graph_problem.fx_names for name in names})
     rng.replay_in_backward(bw)
     _recompute_batch_norm_without_stats(bw)
     _prune_unused_saved(fw, bw, num_fwd_outputs)
@@ -59,7 +66,8 @@ def partition(
     rank = _backward_rank(graph_problem, evaluation)
     rank.update(insert_offloads(fw, bw, offloaded, num_fwd_outputs=num_fwd_outputs, rank=rank,
                                 custom_ops=custom_offload_ops))
-    _reorder(bw, rank)
+    if not rebuilt:  # a rebuilt backward is in step order already
+        _reorder(bw, rank)
     rng.eager_forward(fw)  # last: fw's saved outputs are matched by name above
     fw.graph.lint()
     bw.graph.lint()

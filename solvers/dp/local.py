@@ -28,6 +28,7 @@ NEG = float("-inf")
 # Step kinds of the local step list.
 FWD, REC, REL, BWD, MID, POST, NEST, ROOT, END = range(9)
 _PSEUDO = (MID, POST, NEST, END)
+_NO_INSTANCE = frozenset((BWD, MID, POST, NEST, END))
 
 
 class InvalidLocal(Exception):
@@ -88,6 +89,28 @@ class BlockEvaluator:
         self.fwd_local = [root[i] in self.local_roots for i in block.forward_steps]
         self.store_s = {v: problem.store_s(v) for v in block.values}
         self.reload_s = {v: problem.reload_s(v) for v in block.values}
+        self.fwd_steps = tuple((FWD, f, s) for f, s in zip(block.forward_steps, block.static_forward))
+        self.fwd_instances = self._forward_instances()
+
+    def _forward_instances(self) -> _Instances:
+        """Instances and storages after F_b's steps. Forward reads bind to forward
+        instances whatever the configuration, so this prefix of every run's `lifetimes`
+        is built once (runs copy it: the backward part extends its instances)."""
+        nodes, prev = self.nodes, self.block.prev
+        st = _Instances()
+        if prev is not None:  # its forward instance: alive from the start while read
+            st.new(prev, 0, nodes[prev].out_bytes)
+            st.inst_end[0] = -1
+        for k, i in enumerate(self.block.forward_steps):
+            for j in nodes[i].inputs:
+                st.read(j, k)
+            if self.fwd_local[k]:
+                node = nodes[i]
+                if node.alias_of is None:
+                    st.new(i, k, node.out_bytes)
+                else:
+                    st.view(i, node.alias_of, k)
+        return st
 
     def evaluate(self, config: tuple[Decision, ...], mode_prev: Decision | None, delta: bool) -> Local:
         """Raises InvalidLocal for a configuration simulate would reject."""
@@ -118,7 +141,7 @@ class _Run:
     def build(self, delta: bool) -> list[tuple[int, int, int]]:
         """The local step list: (kind, node id, static bytes)."""
         block = self.ev.block
-        steps = [(FWD, f, s) for f, s in zip(block.forward_steps, block.static_forward)]
+        steps = list(self.ev.fwd_steps)
         if self.boundary is not None:
             self.mid = len(steps)
             steps.append((MID, self.boundary, 0))
@@ -198,19 +221,25 @@ class _Run:
 
     def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> list[tuple[int, int, int, int]]:
         """(bytes, first step, last step, owner node) of every local storage: an
-        instance lives until its last read, a storage until its last instance does."""
-        nodes, fwd_local = self.nodes, self.ev.fwd_local
-        st = _Instances()
-        if self.prev is not None:  # its forward instance: alive from the start while read
-            st.new(self.prev, 0, nodes[self.prev].out_bytes)
-            st.inst_end[0] = -1
-        for k, (kind, i, _) in enumerate(steps):
-            if kind in (FWD, REC, BWD):
+        instance lives until its last read, a storage until its last instance does.
+        F_b's part is the evaluator's `fwd_instances`; the loop below is the rest (the
+        hot loop of table building: reads inlined, and since steps only advance, a read
+        at step k is the instance's latest so far)."""
+        nodes = self.nodes
+        st = self.ev.fwd_instances.copy()
+        newest, inst_end = st.newest, st.inst_end
+        for k in range(len(self.ev.fwd_steps), len(steps)):
+            kind, i, _ = steps[k]
+            if kind == REC or kind == BWD:
                 for j in nodes[i].inputs:
-                    st.read(j, k)
-            elif kind in (MID, END) or kind == POST and delta:
-                st.read(i, k)
-            if kind == FWD and not fwd_local[k] or kind in (BWD, MID, POST, NEST, END):
+                    inst = newest.get(j)
+                    if inst is not None:
+                        inst_end[inst] = k
+            elif kind == MID or kind == END or kind == POST and delta:
+                inst = newest.get(i)
+                if inst is not None:
+                    inst_end[inst] = k
+            if kind in _NO_INSTANCE:
                 continue
             node = nodes[i]
             if node.alias_of is None or kind == REL:
@@ -271,6 +300,13 @@ class _Instances:
         self.newest[i] = len(self.inst_storage)
         self.inst_storage.append(self.inst_storage[self.newest[base]])
         self.inst_end.append(k)
+
+    def copy(self) -> _Instances:
+        out = _Instances.__new__(_Instances)
+        out.newest = dict(self.newest)
+        out.inst_storage, out.inst_end = list(self.inst_storage), list(self.inst_end)
+        out.s_bytes, out.s_start, out.s_owner = list(self.s_bytes), list(self.s_start), list(self.s_owner)
+        return out
 
     def read(self, j: int, k: int) -> None:
         inst = self.newest.get(j)

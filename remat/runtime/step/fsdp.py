@@ -23,14 +23,17 @@ next group's reduce-scatter) and its output (the new sharded gradient).
   at once), the reduce-scatter's output (and its cast back to the parameters' dtype under
   mixed precision), and the sharded gradients that do not exist yet (set to None before
   the step); the all-gather output held at the call's start is freed by then;
-- `transient_grads`: the unsharded parameters whose gradients FSDP2 reduce-scatters and
-  frees right after their group's backward (every group but the root's: its post-backward
-  waits for the end of the backward), so that the ledger does not count them as living
-  until the end of the backward.
+- `transient_grads`: the unsharded parameters whose gradients FSDP2 may reduce-scatter
+  and free right after their group's backward (every group but the root's: its
+  post-backward waits for the end of the backward), so that the ledger does not count
+  them as living until the end of the backward.
 
-Assumes (as for transformer blocks) that a non-root group's forward takes an input that
-requires grad: FSDP2 reduce-scatters such a group's gradients as soon as its backward
-ends; one whose inputs need no grad keeps them until the end of the backward.
+FSDP2 reduce-scatters a non-root group's gradients as soon as its backward ends when its
+forward took an input that requires grad (its post-backward hook hangs on those inputs);
+otherwise the root's final callback does, at the end of the backward. The ledger treats a
+group's gradients as freed early only when a graph call took the group's parameters with
+a non-parameter argument that requires grad (a transformer block's hidden states); the
+rest it counts as living until the end of the backward.
 """
 
 from __future__ import annotations
@@ -113,10 +116,12 @@ class FsdpState:
                     add(p._unsharded_param)
                     add(p._unsharded_param.grad)
                 add(getattr(p, "unsharded_accumulated_grad", None))
-            result = group._all_gather_result
+            # buffers FSDP2 keeps between hooks (private attributes of torch 2.13's
+            # FSDPParamGroup: absent in another version means not kept there)
+            result = getattr(group, "_all_gather_result", None)
             add(result.all_gather_output if result is not None else None)
-            add(group._partial_reduce_output)
-            reduce_state = group._all_reduce_state
+            add(getattr(group, "_partial_reduce_output", None))
+            reduce_state = getattr(group, "_all_reduce_state", None)
             add(reduce_state.all_reduce_input if reduce_state is not None else None)
         for context in contexts.values():
             gather = getattr(context, "all_gather_state", None)
@@ -166,8 +171,9 @@ class FsdpState:
         return sum(held.values())
 
     def transient_grads(self) -> frozenset[StorageWeakRef]:
-        """Unsharded parameters whose gradients are freed right after their group's
-        backward (reduce-scattered): every group's but the root's."""
+        """Unsharded parameters whose gradients FSDP2 may free right after their group's
+        backward (reduce-scattered): every group's but the root's (the ledger keeps those
+        of graph calls fed by an input that requires grad)."""
         return frozenset(_key(p._unsharded_param) for state, group in self._groups()
                          if not state._is_root for p in group.fsdp_params if hasattr(p, "_unsharded_param"))
 

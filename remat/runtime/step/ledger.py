@@ -131,6 +131,8 @@ class StepLedger:
         self._params: dict[StorageWeakRef, tuple[weakref.ref, int]] = {}
         self._param_bytes: dict[StorageWeakRef, int] = {}
         self._pending: list[tuple[int, list[bool]]] = []  # (position, backward done?)
+        self._fed_by_grad: set[StorageWeakRef] = set()
+        """Parameters of graph calls that took a non-parameter argument requiring grad."""
         self.fsdp = FsdpState()
         """FSDP2's sharded state and buffers, outside every graph (`runtime.step.fsdp`)."""
 
@@ -155,6 +157,9 @@ class StepLedger:
                     self._param_bytes[key] = a.untyped_storage().nbytes()
                     if a.requires_grad:
                         params.add(key)
+        if any(isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a.requires_grad
+               for a in args):
+            self._fed_by_grad |= params
         outside, with_grad = self._live_bytes(exclude=mine)
         if self.fsdp.found:
             outside += self.fsdp.transient_bytes()
@@ -170,9 +175,11 @@ class StepLedger:
             return 0
         call = self.first_step[position]
         later = set().union(*(c.params for c in self.first_step[position + 1:]))
-        # FSDP2 reduce-scatters a non-root group's gradients right after its backward:
-        # what remains, the sharded gradient, is in `fsdp.transient_bytes`
-        later -= self.fsdp.transient_grads()
+        # FSDP2 reduce-scatters a non-root group's gradients right after its backward when
+        # its forward took an input that requires grad (seen as a graph argument with the
+        # group's parameters): what remains, the sharded gradient, is in
+        # `fsdp.transient_bytes`; any other group's stay until the end of the backward
+        later -= self.fsdp.transient_grads() & self._fed_by_grad
         return sum(self._param_bytes.get(k, 0) for k in later - call.params - call.with_grad)
 
     def learning_share(self, outside: int, pending: tuple[int, ...], baseline: int) -> int:

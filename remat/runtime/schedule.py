@@ -1,0 +1,88 @@
+"""A backward module built from simulate's steps, for schedules that recompute a value
+more than once (`Plan.schedule`: dropped after one backward use, recomputed before a
+later one).
+
+AOTAutograd's extraction computes each forward value at most once in backward, so such
+a schedule cannot come out of extraction plus a reorder. Here every RECOMPUTE and
+BACKWARD step copies its joint-graph nodes in step order, each copy reading the newest
+copy of its inputs: a value recomputed twice gets two copies, and fx's codegen frees
+each after its own last reader, which is where simulate frees each instance (a read
+binds to the newest instance). The saved values and tangents stay the extraction's
+placeholders, in its order (the forward module returns them so).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from remat.errors import UnsupportedGraphError
+from remat.frontend.problem import GraphProblem
+from solvers import Evaluation, StepKind
+
+
+def recomputes_twice(evaluation: Evaluation) -> bool:
+    """Whether some value is recomputed more than once (extraction cannot run it)."""
+    seen: set[int] = set()
+    for step in evaluation.steps:
+        if step.kind is StepKind.RECOMPUTE:
+            if step.node_id in seen:
+                return True
+            seen.add(step.node_id)
+    return False
+
+
+def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: GraphProblem,
+                     evaluation: Evaluation) -> None:
+    """Replace `bw`'s body (the extraction's) by one copy of each step's joint nodes, in
+    step order; `bw`'s placeholders and outputs stay as they are."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    graph = fx.Graph()
+    newest: dict[str, fx.Node] = {}  # joint node name -> its newest copy
+    for ph in bw.graph.find_nodes(op="placeholder"):
+        newest[ph.name] = graph.placeholder(ph.name, type_expr=ph.type)
+        newest[ph.name].meta = dict(ph.meta)
+    copies: dict[str, int] = {}
+
+    def read(n: fx.Node) -> fx.Node:
+        if n.name not in newest:
+            _copy_untracked(graph, n, newest, read)
+        return newest[n.name]
+
+    for step in evaluation.steps:
+        if step.kind is StepKind.FORWARD:
+            continue
+        if step.kind is StepKind.RELOAD:
+            raise UnsupportedGraphError("a schedule that recomputes a value twice and reloads an "
+                                        "offloaded one is not supported; plan without offload")
+        for name in graph_problem.fx_names[step.node_id]:
+            node = by_name[name]
+            if node.op == "placeholder":  # a tangent: already a placeholder of bw
+                continue
+            k = copies.get(name, 0)
+            copies[name] = k + 1
+            args = fx.node.map_arg(node.args, read)
+            kwargs = fx.node.map_arg(node.kwargs, read)
+            # a second copy gets a name no joint node has (passes after this one match
+            # joint names: the first copy keeps its name)
+            copy = graph.create_node(node.op, node.target, args, kwargs,
+                                     name=name if k == 0 else f"{name}_recomputed{k}", type_expr=node.type)
+            copy.meta = dict(node.meta)
+            newest[name] = copy
+    out = bw.graph.output_node()
+    graph.output(fx.node.map_arg(out.args[0], lambda n: newest[n.name]), type_expr=out.type)
+    bw.graph = graph
+
+
+def _copy_untracked(graph: fx.Graph, node: fx.Node, newest: dict[str, fx.Node], read) -> None:
+    """A joint node no problem node stands for (a size computation): copied just before
+    its first reader. A tensor value must come from a step or be saved."""
+    from torch._functorch.partitioners import is_sym_node
+
+    if node.op == "placeholder" or not is_sym_node(node):
+        raise UnsupportedGraphError(
+            f"internal: the schedule reads {node.name!r} ({node.format_node()}) before any step "
+            "makes it and it is not saved; please report this model")
+    copy = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, read),
+                             fx.node.map_arg(node.kwargs, read), name=node.name, type_expr=node.type)
+    copy.meta = dict(node.meta)
+    newest[node.name] = copy
