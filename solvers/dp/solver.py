@@ -216,7 +216,11 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
         for j in dict.fromkeys(nodes[c].inputs):
             if j in inside:
                 children[j].append(c)
-    only_feeds = _save_dominated(problem, block, read_by_backward)
+    # each dominance rule is checked when the last of its values is decided (the lowest
+    # id: values are decided from the last one back)
+    rules: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
+    for v, c, others in _save_dominated(problem, block, read_by_backward):
+        rules.setdefault(min((v, *others)), []).append((v, c, others))
     out: list[tuple[Decision, ...]] = []
     partial: dict[int, Decision] = {}
     order = list(reversed(values))
@@ -237,9 +241,9 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
         for d in problem.allowed(v) if relevant else (Decision.SAVE,):
             if d is Decision.RECOMPUTE and v in read_by_backward and not nodes[v].recomputable:
                 continue  # backward would have to recompute it: always InvalidLocal
-            if d is Decision.SAVE and v in only_feeds and partial[only_feeds[v]] is Decision.RECOMPUTE:
-                continue  # dominated by saving its reader instead (_save_dominated)
             partial[v] = d
+            if any(_dominated(partial, rule) for rule in rules.get(v, ())):
+                continue  # dominated by saving the reader instead (_save_dominated)
             rec(k + 1)
         del partial[v]
 
@@ -247,39 +251,48 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
     return out
 
 
-def _save_dominated(problem: Problem, block: Block, read_by_backward: set[int]) -> dict[int, int]:
-    """v -> c for the block values v whose SAVE is useless while their reader c is
-    RECOMPUTE: v is read only by c (in forward, never by backward), c reads no other value
-    that may be off the device (no other value of the block, not a_{b-1}), neither is the
-    boundary, an output, a view or viewed, and c's bytes are at most v's.
+def _dominated(partial: dict[int, Decision], rule: tuple[int, int, tuple[int, ...]]) -> bool:
+    v, c, others = rule
+    return (partial[v] is Decision.SAVE and partial[c] is Decision.RECOMPUTE
+            and all(partial[u] is Decision.SAVE for u in others))
 
-    Why exact: take a plan X with v SAVE, c RECOMPUTE, and the plan Y that differs only
-    in saving c (v is then never needed again). Recomputing c in X reads only v, which is
-    on the device, so X's canonical schedule is Y's plus one step (c's recomputation, at
-    c's first backward need) and brings back nothing else: the same values are brought
-    back at the same places (a_{b-1} touched or not alike, the same outcome key). At each
-    step both have, from c's last forward read to c's recomputation X holds v where Y
-    holds c (bytes(v) >= bytes(c)); before and after, the same storages (v's only read
-    after c's forward step is c's recomputation, after which both hold c until its last
-    read). So every step of Y has at most X's live bytes, and Y costs c's recompute
-    seconds less: X is never needed for an optimal plan (of any budget)."""
+
+def _save_dominated(problem: Problem, block: Block,
+                    read_by_backward: set[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Rules (v, c, others): a configuration with v SAVE, c RECOMPUTE and every value of
+    `others` SAVE is useless. v is read only by c (in forward, never by backward); c's
+    other inputs are either outside the block and not a_{b-1} (always on the device) or
+    the block values `others`; neither v nor c is the boundary, an output, a view or
+    viewed; and c's bytes are at most v's.
+
+    Why exact: take such a plan X and the plan Y that differs only in saving c (v is
+    then never needed again). Recomputing c in X reads only values on the device (v and
+    `others` are saved), so X's canonical schedule is Y's plus one step (c's
+    recomputation, at c's first backward need) and brings back nothing else: the same
+    values are brought back at the same places (a_{b-1} touched or not alike, the same
+    outcome key). At each step: from c's last forward read to its recomputation X holds
+    v where Y holds c (bytes(v) >= bytes(c)); `others` live in X at least as long as in
+    Y (the recomputation reads them); otherwise the same storages (v's only read after
+    c's forward step is c's recomputation, after which both hold c until its last read).
+    So every step of Y has at most X's live bytes, and Y costs c's recompute seconds
+    less: X is never needed for an optimal plan, nor for the least peak."""
     nodes = problem.nodes
     inside = set(block.values)
     viewed = {nodes[i].alias_of for i in range(len(nodes)) if nodes[i].alias_of is not None}
     outputs = {problem.storage_of[j] for j in problem.outputs}
     plain = {v for v in block.values
              if v != block.boundary and v not in viewed and v not in outputs and nodes[v].alias_of is None}
-    out = {}
-    for v in plain:
+    out = []
+    for v in sorted(plain):
         readers = problem.users[v]
         if v in read_by_backward or len(readers) != 1 or readers[0] not in plain:
             continue
         c = readers[0]
-        others = [j for j in nodes[c].inputs if j != v]
-        if any(j in inside or j == block.prev for j in others):
+        others = tuple(dict.fromkeys(j for j in nodes[c].inputs if j != v))
+        if block.prev in others:
             continue
         if nodes[c].out_bytes <= nodes[v].out_bytes:
-            out[v] = c
+            out.append((v, c, tuple(j for j in others if j in inside)))
     return out
 
 
