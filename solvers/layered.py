@@ -137,10 +137,11 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     # Two models of the same reduced graph (the same ids): kept values die at their last
     # static read (optimistic: never above simulate, so its optimum is a lower bound) or
     # live to the end (conservative: never below simulate, so its plans fit).
-    # The optimistic model counts a kept value whose last read is in forward only until
-    # the block of that read begins (even fewer bytes, so still a lower bound): the last
-    # layer reading a causal mask then shares the other layers' table instead of
-    # needing its own (GPT-2: one 57,600-configuration table less to build).
+    # The optimistic model counts a kept value only until the phase (F_b or G_b) of its
+    # last read begins (even fewer bytes, so still a lower bound): the last layer
+    # reading a causal mask then shares the other layers' table (GPT-2: one
+    # 57,600-configuration table less to build), and LLaMA's layer 0, where rotary
+    # tables read in every backward die, shares the conservative model's table.
     optimistic, conservative = (_Model(problem, fold_views(problem, k), kept, limit, clock, early)
                                 for k, early in ((frozenset(), True), (kept, False)))
     budget = problem.budget_bytes

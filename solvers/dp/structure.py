@@ -59,9 +59,9 @@ def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset(),
             release_early: frozenset[int] = frozenset()) -> BlockSequence:
     """The finest block sequence of `problem`; UnsupportedProblem if there is none.
     `fixed` decision values are kept (SAVE): they count as static bytes, like values no
-    decision changes, and belong to no block. Storages in `release_early` whose last
-    read is a forward step count only until the block holding that read begins (fewer
-    bytes than simulate holds: for relaxations, e.g. `layers`' lower bound)."""
+    decision changes, and belong to no block. Storages in `release_early` count only
+    until the phase (F_b or G_b) holding their last read begins (fewer bytes than
+    simulate holds: for relaxations, e.g. `layers`' lower bound)."""
     decision = set(problem.decision_ids) - set(fixed)
     _check_supported(problem, decision)
     cuts = _forward_cuts(problem, decision)
@@ -181,17 +181,14 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     fwd: list[list[int]] = [[] for _ in range(n_blocks)]
     for i in problem.forward_ids:
         fwd[block_of[i]].append(i)
-    released = {}
-    if release_early:
-        first = {block_of[f[0]]: f[0] for f in fwd if f}
-        released = {s: first[b] for s, b in _last_forward_block(problem, release_early, block_of).items()}
-    static_at, static_before, initial = static_profile(problem, decision, released)
     bwd: list[list[int]] = [[] for _ in range(n_blocks)]
     phase = dict(_backward_phases(problem, decision, cuts, block_of))
     current = n_blocks - 1
     for r in problem.backward_ids:
         current = phase.get(r, current)
         bwd[current].append(r)
+    released = _phase_starts(problem, release_early, fwd, bwd) if release_early else {}
+    static_at, static_before, initial = static_profile(problem, decision, released)
     prev_read_later = [False] * n_blocks
     for b in range(1, n_blocks):
         a = cuts[b - 1]
@@ -214,17 +211,19 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     return BlockSequence(blocks=tuple(blocks), initial_bytes=initial)
 
 
-def _last_forward_block(problem: Problem, storages: frozenset[int], block_of: dict[int, int]) -> dict[int, int]:
-    """Storage -> block of its last read, for those whose last read is a forward step."""
+def _phase_starts(problem: Problem, storages: frozenset[int], fwd: list[list[int]],
+                  bwd: list[list[int]]) -> dict[int, int]:
+    """Storage -> the first step of the phase (F_b or G_b) holding its last read, for the
+    given storages that are not outputs."""
     nodes, root = problem.nodes, problem.storage_of
+    start_of = {i: steps[0] for steps in (*fwd, *bwd) for i in steps}
     last: dict[int, int] = {}
     for i in (*problem.forward_ids, *problem.backward_ids):
         for j in nodes[i].inputs:
             if root[j] in storages:
                 last[root[j]] = i
     outputs = {root[j] for j in problem.outputs}
-    return {s: block_of[i] for s, i in last.items()
-            if s not in outputs and nodes[i].phase is Phase.FORWARD}
+    return {s: start_of[i] for s, i in last.items() if s not in outputs}
 
 
 def static_profile(problem: Problem, decision: set[int],
