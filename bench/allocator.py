@@ -2,7 +2,7 @@
 tracker-measured peak per zoo model at 100%, 60% and the reported floor.
 
     HF_HUB_OFFLINE=1 python bench/allocator.py [--models cnn,resnet,gpt2] [--size tiny]
-        [--workspace on|off] [--time-limit 2]
+        [--workspace default|on|off] [--time-limit 2]
 
 Models: the zoo's (`remat/zoo.py`, at --size) and bench/models_hf.py's tiny transformers
 models (convnext, clip, t5, whisper, llama8, mamba).
@@ -91,10 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,resnet,gpt2")
     parser.add_argument("--size", default="tiny")
-    parser.add_argument("--workspace", choices=("on", "off"), default="on")
+    # default: remat.plan's own (workspace measured on a real device)
+    parser.add_argument("--workspace", choices=("default", "on", "off"), default="default")
     parser.add_argument("--time-limit", type=float, default=2.0)
     args = parser.parse_args()
-    options = {"measure_workspace": args.workspace == "on", "time_limit_s": args.time_limit}
+    options = {"time_limit_s": args.time_limit}
+    if args.workspace != "default":
+        options["measure_workspace"] = args.workspace == "on"
     print(f"workspace {args.workspace}, time_limit_s {args.time_limit}\n")
     print("| model | at | budget B | predicted B | allocator B (vs predicted) | tracker B | allocator <= budget |")
     print("|---|---|---:|---:|---:|---:|---|")

@@ -142,6 +142,9 @@ class Planned(nn.Module):
                                    offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
                                    device_speed=self.__dict__["_remat_device_speed"],
                                    sum_gradients_in_place=True,
+                                   # the budget is the allocator's count: kernel scratch
+                                   # counts (compile=True: the backend's own default)
+                                   measure_workspace_by_default=not self.compile,
                                    # inductor's graphs keep random ops saved: plan the same space
                                    replay_rng=self.options.get("replay_rng", not self.compile))
         try:

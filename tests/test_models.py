@@ -1,6 +1,8 @@
 """The zoo models, planned end to end: rematerialized training equals eager training bit
 for bit, the measured peak stays under the budget and matches the prediction, and
-shrinking the budget buys memory with recomputation (counted in FLOPs).
+shrinking the budget buys memory with recomputation (counted in FLOPs). Peaks are
+measured with the allocator (`measure_step_profiler`, trusted: the budget is what it
+serves) and the tracker (tensor storages, never above the allocator).
 
 Every (model, solver, budget) is planned once per session and shared by the tests below;
 each test restores the model's parameters and buffers to their initial values first (in
@@ -32,7 +34,7 @@ import remat
 from remat import zoo
 from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step
+from remat.measure import measure_step, measure_step_profiler
 from solvers import Status, solve
 
 SOLVER = "chen-greedy"
@@ -269,27 +271,57 @@ def test_which_models_trace_on_their_eager_path(name):
         assert "traced with torch.compiler.is_compiling() set" in planned.summary()
 
 
-def _measured_peak_bytes(e: Entry) -> int:
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    allocator: int
+    """`measure_step_profiler`: every byte the allocator serves, kernel scratch included
+    (what the budget means: `torch.cuda.max_memory_allocated`); autograd runs unperturbed."""
+    tracker: int
+    """`measure_step` (dispatch mode): live tensor storages only."""
+
+
+_PEAKS: dict[tuple[str, str, str], tuple[Peaks | None, Exception | None]] = {}
+
+
+def _measured_peaks(name: str, solver: str, budget: str) -> Peaks:
+    """Both instruments on one planned step, measured once per key (shared by the tests
+    below: the profiler costs more than the tracker)."""
+    e = entry(name, solver, budget)
     planned, case = e.require_planned(), e.case
-    return measure_step(lambda: _step(planned, case, 0),
-                        register=(case.model, *case.args, *case.kwargs.values())).peak_bytes
+    register = (case.model, *case.args, *case.kwargs.values())
+
+    def make():
+        allocator = measure_step_profiler(lambda: _step(planned, case, 0), register=register).peak_bytes
+        e.restore()
+        tracker = measure_step(lambda: _step(planned, case, 0), register=register).peak_bytes
+        e.restore()
+        return Peaks(allocator=allocator, tracker=tracker)
+
+    return _cached(_PEAKS, (name, solver, budget), make)
 
 
 @pytest.mark.parametrize("name,solver,budget", _params(KEYS, RUN_BUGS))
 def test_measured_peak_matches_prediction(name, solver, budget):
+    """The prediction is never below the allocator's peak and within 3% of it: the
+    allocator is trusted, since the budget is what it serves (op workspace included,
+    measured by `remat.plan` by default). The tracker sees tensor storages only, a subset
+    of the allocator's bytes on the planned step (tied weights' gradients are summed in
+    the planned backward, so the dispatch mode's out-of-place sums do not arise)."""
     e = entry(name, solver, budget)
-    measured, predicted = _measured_peak_bytes(e), e.planned.predicted_peak_bytes
-    assert abs(predicted - measured) <= PEAK_TOLERANCE * measured, (
-        f"predicted {predicted} B vs measured {measured} B: off by "
-        f"{100 * abs(predicted - measured) / measured:.2f}%")
+    peaks, predicted = _measured_peaks(name, solver, budget), e.planned.predicted_peak_bytes
+    assert peaks.allocator <= predicted <= (1 + PEAK_TOLERANCE) * peaks.allocator, (
+        f"predicted {predicted} B vs allocator {peaks.allocator} B: off by "
+        f"{100 * (predicted - peaks.allocator) / peaks.allocator:+.2f}%")
+    assert peaks.tracker <= peaks.allocator, f"tracker {peaks.tracker} B > allocator {peaks.allocator} B"
 
 
 @pytest.mark.parametrize("name,solver,budget", _params(KEYS, RUN_BUGS, BUDGET_BUGS))
 def test_measured_peak_within_budget(name, solver, budget):
+    """The allocator's peak (the budget's own definition) stays under the budget."""
     e = entry(name, solver, budget)
-    measured = _measured_peak_bytes(e)
+    measured = _measured_peaks(name, solver, budget).allocator
     assert measured <= e.planned.budget_bytes, (
-        f"measured peak {measured} B > budget {e.planned.budget_bytes} B "
+        f"allocator peak {measured} B > budget {e.planned.budget_bytes} B "
         f"(predicted {e.planned.predicted_peak_bytes} B)")
 
 

@@ -13,7 +13,7 @@ import remat
 from remat import zoo
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend.offloading import OffloadError, offload_device, resolve_bandwidth
-from remat.measure import LiveBytesTracker, measure_step
+from remat.measure import LiveBytesTracker, measure_step, measure_step_profiler
 from remat.report.data import build_report
 from remat.report.text import render
 from remat.runtime.offload import StoredLayout, reload, store
@@ -50,12 +50,20 @@ def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
     assert "offload_store" in planned.step.forward.code
     assert "offload_reload" in planned.step.backward.code
 
-    torch.manual_seed(1)
-    m = measure_step(lambda: planned(*case.args, **case.kwargs).loss.backward(),
-                     register=(model, case.args, case.kwargs))
-    assert m.peak_bytes <= budget
-    assert abs(planned.predicted_peak_bytes - m.peak_bytes) <= PEAK_TOLERANCE * m.peak_bytes
-    assert planned.predicted_peak_bytes >= m.peak_bytes
+    # The allocator (profiler events) is trusted: the budget is what it serves, kernel
+    # scratch included; the host store is numpy's memory, which it does not see, as a
+    # device allocator would not. The tracker (storages only) never reads above it.
+    peaks = []
+    for measure in (measure_step_profiler, measure_step):
+        torch.manual_seed(1)
+        peaks.append(measure(lambda: planned(*case.args, **case.kwargs).loss.backward(),
+                             register=(model, case.args, case.kwargs)).peak_bytes)
+        for p in model.parameters():
+            p.grad = None
+    allocator, tracker = peaks
+    assert allocator <= budget
+    assert allocator <= planned.predicted_peak_bytes <= (1 + PEAK_TOLERANCE) * allocator
+    assert tracker <= allocator
 
     for p in model.parameters():
         p.grad = None

@@ -34,10 +34,11 @@ def _step(model, case):
     return out.loss.detach(), grads, torch.rand(4)
 
 
-BUDGET = "45%"
-"""Of the no-remat peak: below what any plan reaches with every mask saved on both
-models (gpt2: 48%, bert: 53%, InfeasibleBudgetError.min_peak_bytes with replay_rng=False),
-above the floor with replay (38%, 42%). Measured, tiny size, torch 2.13 CPU."""
+BUDGET = {"gpt2": "45%", "bert": "50%"}
+"""Of the no-remat peak: below what any plan reaches with every mask saved (gpt2: 47.9%,
+bert: 55.0%, InfeasibleBudgetError.min_peak_bytes with replay_rng=False), above the floor
+with replay (38.7%, 46.9%). Measured with op workspace (the default), tiny size, torch
+2.13 CPU, one thread."""
 SOLVER = "chen-greedy"  # fast; the floor machinery (budget=1) takes ~30 s per model here
 
 
@@ -46,7 +47,7 @@ def planned(request):
     """(case, eager step, a plan under BUDGET)."""
     case = zoo.build(request.param, size="tiny")
     eager = _step(case.model, case)
-    return case, eager, remat.plan(case.model, case.args, case.kwargs, budget=BUDGET, solver=SOLVER)
+    return case, eager, remat.plan(case.model, case.args, case.kwargs, budget=BUDGET[request.param], solver=SOLVER)
 
 
 def test_plan_replays_dropout(planned):
@@ -87,10 +88,17 @@ def test_measured_peak_equals_prediction(planned):
         out.loss.backward()
         return out  # kept alive, as the prediction assumes (outputs live at the end)
 
-    measured = measure_step(step, register=(case.model, *case.args, *case.kwargs.values())).peak_bytes
-    for q in case.model.parameters():
-        q.grad = None
-    assert measured == p.predicted_peak_bytes <= p.budget_bytes
+    # the allocator is trusted (the budget is what it serves, op workspace included, which
+    # the prediction counts); the tracker sees tensor storages only, never more
+    register = (case.model, *case.args, *case.kwargs.values())
+    peaks = []
+    for measure in (measure_step_profiler, measure_step):
+        peaks.append(measure(step, register=register).peak_bytes)
+        for q in case.model.parameters():
+            q.grad = None
+    allocator, tracker = peaks
+    assert allocator == p.predicted_peak_bytes <= p.budget_bytes
+    assert tracker <= allocator
 
 
 def test_saving_every_mask_cannot_fit(planned):
