@@ -9,6 +9,7 @@ import copy
 import datetime
 import os
 import pickle
+import re
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -115,9 +116,21 @@ def ddp_compiled() -> dict[str, Any]:
         for model, run in ((base, ours), (reference, theirs)):
             model.zero_grad(set_to_none=True)
             run(**batch).loss.backward()
+    grads_equal = all(torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), reference.parameters()))
+    # a third step, measured: what was live before it (parameters, the batch, and the
+    # reducer's bucket buffers, as DDP itself reports them) + the profiler's rise. Not the
+    # second: DDP rebuilds its buckets as it starts, and the profiler sees the new ones
+    # allocated but not the old ones (made before it started) freed
+    batch = rank_batch(rank, 2)
+    base.zero_grad(set_to_none=True)
+    buckets = sum(int(n) for n in re.findall(r"\d+", ours._orig_mod._get_ddp_logging_data()["bucket_sizes"]))
+    census = _census_bytes(base, batch) + buckets
+    measured = census + _profiled(lambda: ours(**batch).loss.backward())[1]
     ledger = backend.ledger
     return {
-        "grads_equal": all(torch.equal(a.grad, b.grad) for a, b in zip(base.parameters(), reference.parameters())),
+        "grads_equal": grads_equal,
+        "measured_bytes": measured,
+        "bucket_bytes": buckets,
         "graphs": len({c.graph for c in ledger.last_step}),
         "step": (ledger.budget_bytes, ledger.predicted_step_bytes,
                  [c.outside_bytes + c.peak_bytes for c in ledger.last_step]),
@@ -235,8 +248,11 @@ def _census_bytes(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
     out: the sharded parameters and gradients, and the batch (each storage once)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    tensors = [p.to_local() for p in model.parameters()]
-    tensors += [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()]
+    tensors += [local(p.grad) for p in model.parameters() if p.grad is not None]
     tensors += list(batch.values())
     return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 

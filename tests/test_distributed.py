@@ -149,4 +149,7 @@ def test_compiled_ddp_one_budget_for_every_bucket_graph(ranks):
         assert f["graphs"] == 3 and f["recomputed"] > 0
         budget, predicted, calls = f["step"]
         assert all(peak <= predicted for peak in calls) and predicted <= budget
+        # DDP's bucket buffers (as many bytes as the gradients) live outside every graph:
+        # counted, measured <= predicted
+        assert f["bucket_bytes"] > 0 and f["measured_bytes"] <= predicted
     assert facts[0]["step"] == facts[1]["step"]  # one plan, one split on every rank

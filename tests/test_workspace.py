@@ -196,3 +196,18 @@ def test_workspace_is_measured_per_intra_op_thread_count():
     finally:
         torch.set_num_threads(before)
     assert found[2] == 2 * found[1] > 0
+
+
+def test_same_workspace_and_plan_when_measured_again():
+    """Measured workspace is a byte count per op, not a timing: measured afresh (the
+    process cache emptied) the problem and the plan come out the same."""
+    case = zoo.build("cnn", size="tiny")
+    runs = []
+    for _ in range(2):
+        workspace._CACHE.clear()
+        planned = remat.plan(case.model, case.args, case.kwargs, budget="70%", solver="chen-greedy")
+        runs.append(planned)
+    first, again = (tuple(n.workspace_bytes for n in p.problem.nodes) for p in runs)
+    assert first == again and any(first)
+    assert runs[0].plan.decisions == runs[1].plan.decisions
+    assert runs[0].predicted_peak_bytes == runs[1].predicted_peak_bytes

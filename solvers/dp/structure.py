@@ -55,10 +55,13 @@ class BlockSequence:
     """Bytes live before the first step (parameters and inputs)."""
 
 
-def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset()) -> BlockSequence:
+def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset(),
+            release_early: frozenset[int] = frozenset()) -> BlockSequence:
     """The finest block sequence of `problem`; UnsupportedProblem if there is none.
     `fixed` decision values are kept (SAVE): they count as static bytes, like values no
-    decision changes, and belong to no block."""
+    decision changes, and belong to no block. Storages in `release_early` count only
+    until the phase (F_b or G_b) holding their last read begins (fewer bytes than
+    simulate holds: for relaxations, e.g. `layers`' lower bound)."""
     decision = set(problem.decision_ids) - set(fixed)
     _check_supported(problem, decision)
     cuts = _forward_cuts(problem, decision)
@@ -68,7 +71,7 @@ def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset()) -> BlockSe
         if not bad:
             break
         cuts = [c for c in cuts if c not in bad]
-    return _build(problem, decision, cuts, block_of)
+    return _build(problem, decision, cuts, block_of, release_early)
 
 
 def _check_supported(problem: Problem, decision: set[int]) -> None:
@@ -171,10 +174,10 @@ def _backward_phases(
     return [(r, b) for r, b, _ in rows]
 
 
-def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict[int, int]) -> BlockSequence:
+def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict[int, int],
+           release_early: frozenset[int] = frozenset()) -> BlockSequence:
     nodes = problem.nodes
     n_blocks = len(cuts) + 1
-    static_at, static_before, initial = static_profile(problem, decision)
     fwd: list[list[int]] = [[] for _ in range(n_blocks)]
     for i in problem.forward_ids:
         fwd[block_of[i]].append(i)
@@ -184,6 +187,8 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     for r in problem.backward_ids:
         current = phase.get(r, current)
         bwd[current].append(r)
+    released = _phase_starts(problem, release_early, fwd, bwd) if release_early else {}
+    static_at, static_before, initial = static_profile(problem, decision, released)
     prev_read_later = [False] * n_blocks
     for b in range(1, n_blocks):
         a = cuts[b - 1]
@@ -206,10 +211,27 @@ def _build(problem: Problem, decision: set[int], cuts: list[int], block_of: dict
     return BlockSequence(blocks=tuple(blocks), initial_bytes=initial)
 
 
-def static_profile(problem: Problem, decision: set[int]) -> tuple[dict[int, int], dict[int, int], int]:
+def _phase_starts(problem: Problem, storages: frozenset[int], fwd: list[list[int]],
+                  bwd: list[list[int]]) -> dict[int, int]:
+    """Storage -> the first step of the phase (F_b or G_b) holding its last read, for the
+    given storages that are not outputs."""
+    nodes, root = problem.nodes, problem.storage_of
+    start_of = {i: steps[0] for steps in (*fwd, *bwd) for i in steps}
+    last: dict[int, int] = {}
+    for i in (*problem.forward_ids, *problem.backward_ids):
+        for j in nodes[i].inputs:
+            if root[j] in storages:
+                last[root[j]] = i
+    outputs = {root[j] for j in problem.outputs}
+    return {s: start_of[i] for s, i in last.items() if s not in outputs}
+
+
+def static_profile(problem: Problem, decision: set[int],
+                   released: dict[int, int] | None = None) -> tuple[dict[int, int], dict[int, int], int]:
     """Bytes no decision changes: (live at each node's step, the node's workspace
     included; live just before each node's step; live before the first step). Steps:
-    forward ids, then backward ids."""
+    forward ids, then backward ids. `released`: storage -> node id; the storage counts
+    only before that node's step (never, if it starts there or later)."""
     nodes, root = problem.nodes, problem.storage_of
     order = list(problem.forward_ids) + list(problem.backward_ids)
     pos = {i: k for k, i in enumerate(order)}
@@ -232,6 +254,11 @@ def static_profile(problem: Problem, decision: set[int]) -> tuple[dict[int, int]
     for j in problem.outputs:
         if root[j] in start:
             end[root[j]] = forever
+    for s_, at in (released or {}).items():
+        if s_ in start:
+            end[s_] = pos[at] - 1
+            if end[s_] < start[s_]:
+                del start[s_], end[s_]
     delta_at = [0] * (forever + 2)
     delta_before = [0] * (forever + 2)
     for s, a in start.items():

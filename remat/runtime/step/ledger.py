@@ -12,6 +12,7 @@ called, from the storages it has seen (weak references; each storage once):
 - every tensor argument and output of every call, and what each call's autograd node
   saved for backward (`grad_fn.saved_tensors`), while they are alive;
 - every parameter argument ever seen, and every gradient they have when the call starts;
+- under DDP, its reducer's gradient buckets (`runtime.step.ddp`);
 - under FSDP2, what it holds outside every graph (`runtime.step.fsdp`): the sharded
   parameters and gradients, the other groups' unsharded parameters, its collective
   buffers, and a bound on what its hooks allocate around the call;
@@ -50,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
 from remat.runtime.step import split
+from remat.runtime.step.ddp import DdpState
 from remat.runtime.step.fsdp import FsdpState
 
 
@@ -135,6 +137,8 @@ class StepLedger:
         """Parameters of graph calls that took a non-parameter argument requiring grad."""
         self.fsdp = FsdpState()
         """FSDP2's sharded state and buffers, outside every graph (`runtime.step.fsdp`)."""
+        self.ddp = DdpState()
+        """DDP's reducer buckets, outside every graph (`runtime.step.ddp`)."""
 
     @property
     def knows_the_step(self) -> bool:
@@ -147,6 +151,7 @@ class StepLedger:
         if not self._pending and self.current:
             self._close_step()
         self.fsdp.discover(args)
+        self.ddp.discover(args)
         mine, params = set(), set()
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -163,6 +168,7 @@ class StepLedger:
         outside, with_grad = self._live_bytes(exclude=mine)
         if self.fsdp.found:
             outside += self.fsdp.transient_bytes()
+        outside += self.ddp.bucket_bytes()
         return Seen(outside_bytes=outside, pending=tuple(position for position, _ in self._pending),
                     params=frozenset(params), with_grad=with_grad,
                     counted=frozenset(k for k in self._params if k not in mine))
