@@ -110,6 +110,7 @@ class Partitioner:
         self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
+        self._problem_cache: tuple[Any, ...] | None = None
 
     @property
     def budget(self) -> int | str:
@@ -146,29 +147,7 @@ class Partitioner:
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
-        speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
-        cost_s = costs.cost_function(self.cost_model, speed)
-        replayable = None
-        if self.replay_rng:
-            replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
-            cost_s = replayable.costs(cost_s)
-        gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
-                           budget_bytes=0, cost_s=cost_s,
-                           param_indices=tuple(param_indices) if param_indices else None,
-                           sum_gradients_in_place=self.sum_gradients_in_place)
-        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng")}
-        measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
-                                       self.measure_workspace_by_default)
-        if measured:
-            gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
-        if replayable is not None:
-            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
-                                                                       joint=joint if measured else None))
-        layers = layer_structure(joint, gp)
-        if layers is not None:  # repeated layers, for the solvers that use them
-            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
-        baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
+        gp, baseline, speed, options = self._built(joint, num_fwd_outputs, param_indices)
         budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
                         else resolve_budget(self.budget, baseline))
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
@@ -206,6 +185,44 @@ class Partitioner:
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
         )
         return fw, bw
+
+    def _built(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
+        """The joint graph's problem (budget 0), its no-remat peak, the device speed and
+        the solver options. Kept for the same joint graph: inductor's loop plans it again
+        under a lower budget (`remat.runtime.inductor.estimate`), and building it again
+        would give the same problem."""
+        key = (num_fwd_outputs, tuple(param_indices) if param_indices else None, len(joint.graph.nodes))
+        if self._problem_cache is not None and self._problem_cache[0] is joint and self._problem_cache[1] == key:
+            return self._problem_cache[2]
+        built = self._build(joint, num_fwd_outputs, param_indices)
+        self._problem_cache = (joint, key, built)
+        return built
+
+    def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
+        log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
+        speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
+        cost_s = costs.cost_function(self.cost_model, speed)
+        replayable = None
+        if self.replay_rng:
+            replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
+            cost_s = replayable.costs(cost_s)
+        gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
+                           budget_bytes=0, cost_s=cost_s,
+                           param_indices=tuple(param_indices) if param_indices else None,
+                           sum_gradients_in_place=self.sum_gradients_in_place)
+        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng")}
+        measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
+                                       self.measure_workspace_by_default)
+        if measured:
+            gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
+        if replayable is not None:
+            gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
+                                                                       joint=joint if measured else None))
+        layers = layer_structure(joint, gp)
+        if layers is not None:  # repeated layers, for the solvers that use them
+            gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
+        baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
+        return gp, baseline, speed, options
 
 
 def lowest_found(problem: Problem, failed: Plan) -> Plan:
