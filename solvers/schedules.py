@@ -16,8 +16,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 from solvers.base import Options, finish
-from solvers.problem import Decision, Phase, Plan, Problem
+from solvers.problem import Decision, Phase, Plan, Problem, Step
 from solvers.registry import UnsupportedProblem
+from solvers.simulate import _bring_back
 from solvers.structure import OUTSIDE
 
 
@@ -40,28 +41,11 @@ def segmented_schedule(problem: Problem, decisions: Mapping[int, Decision],
             current = seg
         for j in nodes[b].inputs:
             if nodes[j].phase is Phase.FORWARD and j not in available:
-                _bring_back(problem, decisions, j, available, schedule)
+                steps: list[Step] = []  # simulate's own bring-back (PlanError if j cannot come back)
+                _bring_back(problem, decisions, j, available, steps, reader=b)
+                schedule.extend(step.node_id for step in steps)
         schedule.append(b)
     return tuple(schedule)
-
-
-def _bring_back(problem: Problem, decisions: Mapping[int, Decision], root: int, available: set[int],
-                schedule: list[int]) -> None:
-    """Append what makes `root` live: its missing forward inputs first (post-order)."""
-    nodes = problem.nodes
-    stack: list[tuple[int, bool]] = [(root, False)]
-    while stack:
-        i, expanded = stack.pop()
-        if i in available:
-            continue
-        if decisions.get(i) is Decision.OFFLOAD or expanded:
-            schedule.append(i)
-            available.add(i)
-            continue
-        stack.append((i, True))
-        for j in reversed(nodes[i].inputs):
-            if nodes[j].phase is Phase.FORWARD and j not in available:
-                stack.append((j, False))
 
 
 def per_reader_segments(problem: Problem) -> list[int | None]:
