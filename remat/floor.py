@@ -53,7 +53,9 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
     key = (problem.with_budget(0), float(limit), int(options.get("seed", 0)))
     if key not in _FLOOR_PLANS:
-        _remember(key, least_peak_plan(problem, time_limit_s=limit, seed=key[2]))  # at its own peak
+        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2])
+        _remember(key, finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
+                              started_s=started_s))
     _FLOOR_PLANS.move_to_end(key)
     floor_plan = _FLOOR_PLANS[key]
     if floor_plan.peak_bytes <= problem.budget_bytes:
@@ -61,9 +63,6 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
             plan = solve(problem, solver, **{**options, "hint": floor_plan.decisions})
         else:
             plan = finish(problem, floor_plan.decisions, solver, started_s=started_s)
-        if plan.status is Status.INFEASIBLE and floor_plan.schedule is not None:
-            # the solver plans canonical schedules; the floor recomputes some value twice
-            plan = finish(problem, floor_plan.decisions, solver, started_s=started_s, schedule=floor_plan.schedule)
         if plan.status is not Status.INFEASIBLE:
             return plan, None
     reach = floor_plan.peak_bytes

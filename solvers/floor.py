@@ -17,8 +17,7 @@ import time
 from solvers.base import finish
 from solvers.problem import Decision, Plan, Problem, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, solve
-from solvers.schedules import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
-from solvers.simulate import PlanError, evaluate
+from solvers.simulate import evaluate
 
 FLOOR_TIME_LIMIT_S = 10.0
 """Deterministic seconds the floor search may spend (the ilp default)."""
@@ -46,34 +45,8 @@ def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME
             found = None
         if found is not None and _key(zero, found.decisions) <= _key(zero, best):
             best = dict(found.decisions)
-    best, schedule = _least_scheduled(zero, best)
-    floor = evaluate(zero, best, schedule).peak_bytes
-    return finish(problem.with_budget(floor), best, "floor", started_s=started, schedule=schedule)
-
-
-def _least_scheduled(problem: Problem, best: dict[int, Decision]):
-    """(decisions, schedule) of the least peak among `best` under the canonical schedule
-    and, on problems with repeated layers, under schedules that recompute a value more
-    than once (solvers/schedules.py): `best` or everything recomputed per layer or per
-    backward reader, and per-layer checkpointing (ties: the cheaper, then the earlier). Not with offload (the rewriter runs those schedules
-    without reloads)."""
-    if problem.layers is None or Decision.OFFLOAD in best.values():
-        return best, None
-    layers, readers = layer_segments(problem), per_reader_segments(problem)
-    checkpoint = checkpoint_decisions(problem)
-    everything = decisions_all(problem, Decision.RECOMPUTE)
-    tries = [(best, None)] + [(d, segmented_schedule(problem, d, segments))
-                              for d in (best, everything) for segments in (layers, readers)]
-    tries.append((checkpoint, segmented_schedule(problem, checkpoint, layers)))
-    scored = []
-    for k, (decisions, schedule) in enumerate(tries):
-        try:
-            ev = evaluate(problem, decisions, schedule)
-        except PlanError:
-            continue
-        scored.append((ev.peak_bytes, ev.cost_s, k))
-    _, _, k = min(scored)
-    return tries[k]
+    floor = evaluate(zero, best).peak_bytes
+    return finish(problem.with_budget(floor), best, "floor", started_s=started)
 
 
 def _key(problem: Problem, decisions) -> tuple[int, float]:

@@ -3,8 +3,6 @@ simulated and executed (remat/runtime/schedule.py rebuilds the backward from the
 
 from __future__ import annotations
 
-import dataclasses
-
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from hypothesis import strategies as st
 import remat
 from nets import Tower, assert_trains_like_eager
 from remat.measure import measure_step
-from solvers import Decision, Node, Options, Phase, Problem, Status, StepKind, decisions_all, simulate, solve
+from solvers import Decision, Node, Options, Phase, Problem, StepKind, decisions_all, solve
 from solvers.base import finish
 from solvers import registry
 from solvers.registry import SolverSpec
@@ -110,31 +108,3 @@ def test_schedules_run_as_simulated(solver, per_reader):
         p.grad = None
     measured = measure_step(lambda: planned(x).backward(), register=(model, x)).peak_bytes
     assert measured == planned.predicted_peak_bytes
-
-
-def test_the_floor_search_finds_a_schedule_below_every_canonical_plan():
-    """With repeated layers, the floor (least_peak_plan) tries schedules that recompute
-    a value twice; planning at that floor returns it (remat.floor falls back to the
-    floor plan when the solver's canonical plans do not fit)."""
-    from remat import floor as remat_floor
-    from solvers.floor import least_peak_plan
-    from solvers.structure import OUTSIDE, LayerStructure
-
-    base = _two_readers()
-    layer_of = [OUTSIDE] * len(base.nodes)
-    layer_of[1] = 0
-    problem = dataclasses.replace(base, layers=LayerStructure(layer_of=layer_of, names=("layer.0",)))
-    floor = least_peak_plan(problem, time_limit_s=0.5)
-    assert floor.schedule is not None and floor.peak_bytes < solve(problem, "brute").peak_bytes
-    at_floor = problem.with_budget(floor.peak_bytes)
-    failed = solve(at_floor, "ilp", time_limit_s=0.5)
-    assert failed.status is Status.INFEASIBLE  # no canonical plan reaches it
-    from remat.frontend.problem import GraphProblem
-
-    blank = tuple("" for _ in problem.nodes)
-    gp = GraphProblem(problem=at_floor, fx_names=tuple(() for _ in blank), value_name=blank, source=blank,
-                      never_replay={})
-    remat_floor._FLOOR_PLANS.clear()
-    plan, err = remat_floor.at_the_floor(gp, failed, solver="ilp", options={"time_limit_s": 0.5},
-                                         baseline_bytes=floor.peak_bytes)
-    assert err is None and plan.schedule == floor.schedule and simulate(at_floor, plan).fits
