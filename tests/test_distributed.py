@@ -6,6 +6,8 @@ never recomputed, FSDP2 compositions that cannot work refused with a RematError,
 FSDP2 through the compile backend: eager FSDP2's gradients and collectives, a lower peak;
 compiled DDP (DDPOptimizer's bucket graphs) under one whole-step budget."""
 
+import multiprocessing
+import multiprocessing.forkserver
 import pickle
 import socket
 
@@ -23,13 +25,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ("dist_scenarios", "transformers.models.qwen2.modeling_qwen2", "torch.distributed.fsdp",
+           "torch.nn.parallel")
+"""Imported once by the fork server the ranks fork from: a spawned rank imports torch,
+transformers and remat itself, about 6-8 s CPU per rank (measured), a third of its work."""
+
+
+def _start_method() -> str:
+    """'forkserver' with PRELOAD, unless this process already runs a fork server (started
+    without our preload, it would not have this directory on its path): then 'spawn'."""
+    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+        return "spawn"
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """{scenario: facts} per rank, from one spawn of WORLD processes."""
     out = tmp_path_factory.mktemp("ranks")
     names = tuple(dist_scenarios.SCENARIOS)
     context = mp.start_processes(dist_scenarios.worker, args=(_free_port(), str(out), names),
-                                 nprocs=dist_scenarios.WORLD, join=False, start_method="spawn")
+                                 nprocs=dist_scenarios.WORLD, join=False, start_method=_start_method())
     for process in context.processes:
         process.join(TIMEOUT_S)
     alive = [p for p in context.processes if p.is_alive()]
@@ -67,11 +84,13 @@ def test_ddp_buckets_and_hooks_fire_as_for_the_plain_model(ranks):
         for step in (0, 1):
             mine = [b for b in ours if b[0] == step]
             plain = [b for b in theirs if b[0] == step]
-            # As many all-reduces, over every gradient element, as for the plain model. After
-            # step 0 DDP rebuilds its buckets in gradient-ready order, which differs: remat's
-            # backward is one autograd node, so its gradients become ready together.
-            assert [b[1] for b in mine] == [b[1] for b in plain]
+            # Every gradient element all-reduced once per step, as for the plain model.
             assert sum(b[2] for b in mine) == sum(b[2] for b in plain) == f["num_elements"]
+        # Step 0: the same buckets (DDP's first is 1 MB: all in one). Then DDP rebuilds its
+        # buckets in gradient-ready order, which differs: remat's backward is one autograd
+        # node, so its gradients become ready together (measured: 4 buckets packed in
+        # remat's order, 3 in eager's)
+        assert [b for b in ours if b[0] == 0] == [b for b in theirs if b[0] == 0]
         assert len([b for b in ours if b[0] == 1]) >= 3
         accumulated_ours, accumulated_theirs = f["accumulated"]
         assert accumulated_ours == accumulated_theirs
@@ -118,7 +137,7 @@ def test_fsdp2_through_the_compile_backend(ranks):
         assert f["first_call_outside_bytes"] >= 2 * f["sharded_bytes"]
         eager_peak, our_peak = f["peak_bytes"]
         assert our_peak <= predicted  # measured (what existed before the step + the rise)
-        assert len(calls) == 6  # embedding, 4 layers (one graph), head
+        assert len(calls) == 4  # embedding, 2 layers (one graph), head
         assert max(recomputed for *_, recomputed in f["graphs"]) > 0
         # a layer's unsharded parameters are inputs of its graph: live, and counted,
         # from the all-gather before it to the reshard after it
@@ -141,12 +160,12 @@ def test_fsdp2_mixed_precision_recompute_is_bit_exact(ranks):
 
 def test_compiled_ddp_one_budget_for_every_bucket_graph(ranks):
     """torch.compile(DDP(model), backend=remat.backend(compiler="eager")): DDPOptimizer
-    splits the graph at bucket boundaries (1 MB buckets: 3 graphs); one whole-step budget
+    splits the graph at bucket boundaries (1 MB buckets: 2 graphs); one whole-step budget
     for all of them, gradients bit-equal to eager DDP's."""
     facts = _facts(ranks, "ddp_compile")
     for f in facts:
         assert f["grads_equal"]
-        assert f["graphs"] == 3 and f["recomputed"] > 0
+        assert f["graphs"] == 2 and f["recomputed"] > 0
         budget, predicted, calls = f["step"]
         assert all(peak <= predicted for peak in calls) and predicted <= budget
         # DDP's bucket buffers (as many bytes as the gradients) live outside every graph:

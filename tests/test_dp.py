@@ -262,3 +262,73 @@ def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
     finally:
         dp._save_dominated = original
     assert set(pruned) < set(full)
+
+
+# ---- table building and the front search: faster paths equal the plain ones ----
+
+
+@pytest.mark.parametrize("make", [
+    lambda: builders.transformer(2, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=True),
+    lambda: builders.random_dag(10, seed=3, skip_prob=0.3, view_prob=0.3, offload_bandwidth_bytes_per_s=4e8),
+])
+def test_one_replay_for_every_mode_of_an_untouched_boundary_equals_a_replay_per_mode(make):
+    """evaluate_modes derives the other modes of a_{b-1} from one run that never brings a
+    dropped a_{b-1} back; every Local (or InvalidLocal) equals evaluate's, mode by mode."""
+    from solvers.dp.local import BlockEvaluator
+    from solvers.dp.solver import enumerate_configs
+
+    problem = make()
+    derived = 0
+    for block in analyze(problem).blocks:
+        if block.prev is None:
+            continue
+        evaluator = BlockEvaluator(problem, block)
+        modes = problem.allowed(block.prev)
+        for config in enumerate_configs(problem, block, 1 << 12)[:400]:
+            for delta in (False, True):
+                got = evaluator.evaluate_modes(config, modes, delta)
+                for mode in modes:
+                    try:
+                        want = evaluator.evaluate(config, mode, delta)
+                    except InvalidLocal:
+                        assert isinstance(got[mode], InvalidLocal)
+                        continue
+                    assert repr(got[mode]) == repr(want)
+                    derived += mode is Decision.SAVE and not want.prev_touched and block.prev_read_later
+    assert derived > 0  # the derived SAVE run (held to END) was exercised
+
+
+def test_the_bounded_search_returns_the_plain_optimum_when_runs_are_abandoned(monkeypatch):
+    """_cheapest abandons exact runs whose fronts outgrow MAX_FRONT for bounds on finer
+    grids; with a coarse first bound (16 points) and every run but the last abandoned,
+    it still returns what the plain exact DP (no bounds) finds."""
+    import solvers.dp.solver as dp
+    from solvers.dp import fronts
+
+    problem = builders.transformer(6, batch=2, seq=64, d_model=32, n_heads=2, vocab=32)
+    seq = analyze(problem)
+    tables = block_tables(problem, seq, 1 << 14)
+    real_run, real_bounds = fronts.run, fronts.completion_bounds
+    abandoned = []
+
+    def run(*args, **kw):
+        try:
+            return real_run(*args, **kw)
+        except fronts.FrontTooLarge:
+            abandoned.append(kw["max_front"])
+            raise
+
+    def bounds(tables, budget, grid=16, max_grid=16):
+        return real_bounds(tables, budget, grid=grid, max_grid=max_grid)
+
+    for fraction in (0.6, 0.7, 0.8):
+        budget = builders.with_budget_fraction(problem, fraction).budget_bytes
+        plain = real_run(tables, seq.initial_bytes, budget, min_peak=False)
+        monkeypatch.setattr(fronts, "run", run)
+        monkeypatch.setattr(fronts, "completion_bounds", bounds)
+        for limit in (-1, dp.MAX_FRONT):
+            monkeypatch.setattr(dp, "MAX_FRONT", limit)
+            got = dp._cheapest(tables, seq.initial_bytes, budget)
+            assert got[1] == pytest.approx(plain[1], rel=1e-12) and got[2] <= budget
+        monkeypatch.undo()
+    assert abandoned.count(-1) >= 3  # every fraction went through abandoned runs

@@ -156,7 +156,6 @@ def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]
                 step = math.gcd(step, int(keep))
     quantum = step if step and budget // step + 2 <= max_grid else max(1, budget // grid)
     size = budget // quantum + 2
-    j = np.arange(size, dtype=np.int64)
     bound: dict[tuple, np.ndarray] = {k: np.zeros(size) for m in tables[-1][0].values() for k in m.keys}
     after = [bound]
     for b in reversed(range(len(tables))):
@@ -171,19 +170,37 @@ def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]
             best = np.full(size, np.inf)
             for index, key in enumerate(menu.keys):
                 nxt = bound.get(key)
-                sel = menu.key == index
-                if nxt is None or not sel.any():
-                    continue
-                shift = (menu.keep[sel] // quantum).astype(np.int64)
-                value = menu.cost[sel, None] + nxt[np.minimum(j[None, :] + shift[:, None], size - 1)]
-                value[j[None, :] > cap[sel, None]] = np.inf
-                np.minimum(best, value.min(axis=0), out=best)
+                sel = (menu.key == index) & (cap >= 0)
+                if nxt is not None and sel.any():
+                    _shifted_min(best, nxt, menu.cost[sel], (menu.keep[sel] // quantum).astype(np.int64),
+                                 np.minimum(cap[sel], size - 1).astype(np.int64))
             key_in = (mode_prev, touched)
             new[key_in] = np.minimum(new[key_in], best) if key_in in new else best
         bound = new
         after.append(bound)
     after.reverse()  # after[0]: before block 0; after[b + 1]: after block b
     return Bounds(quantum, after)
+
+
+def _shifted_min(best: np.ndarray, nxt: np.ndarray, cost: np.ndarray, shift: np.ndarray, cap: np.ndarray) -> None:
+    """best[j] = min(best[j], min over options o with j <= cap[o] of cost[o] +
+    nxt[min(j + shift[o], size - 1)]), by groups of equal shift: within one, the
+    cheapest option fitting at j is a suffix minimum over caps (options differ in
+    their shifts far less often than in cost or cap)."""
+    size = len(nxt)
+    order = np.lexsort((cap, shift))
+    shift, cap, cost = shift[order], cap[order], cost[order]
+    starts = np.flatnonzero(np.r_[True, shift[1:] != shift[:-1]])
+    for lo, hi in zip(starts, np.r_[starts[1:], len(shift)]):
+        s = int(shift[lo])
+        cheapest = np.full(size, np.inf)
+        np.minimum.at(cheapest, cap[lo:hi], cost[lo:hi])
+        cheapest = np.minimum.accumulate(cheapest[::-1])[::-1]  # fits at j: cap >= j
+        moved = nxt[s:] if s < size else nxt[-1:]
+        tail = size - len(moved)
+        if tail:
+            moved = np.concatenate((moved, np.full(tail, nxt[-1])))
+        np.minimum(best, cheapest + moved, out=best)
 
 
 def summary_floors(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]]) -> list[dict[tuple, np.ndarray]]:
@@ -223,16 +240,23 @@ def _key(opt: Option) -> tuple:
     return (opt.mode, opt.delta if opt.mode in DROPPED else False)
 
 
+class FrontTooLarge(Exception):
+    """run's front outgrew `max_front` (at the block in args[0])."""
+
+
 def run(
     tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]], initial_bytes: int, budget: int, *,
     min_peak: bool, bounds: Bounds | None = None, threshold: float = np.inf, beam: int = 0,
+    max_front: int | None = None,
 ) -> tuple[list[tuple[Decision, ...]], float, int] | None:
     """(configurations, one per block; cost; peak) of the cheapest plan whose peak fits
     `budget` (min_peak: of the least peak, budget ignored); None if nothing fits.
     With `bounds`, partial plans whose cost plus the bound exceeds `threshold` are
     dropped: the answer is then exact if its cost is <= threshold, and None means
     no plan costs <= threshold. `beam` > 0 (with bounds) keeps only that many entries
-    per key, the most promising by cost plus bound: a heuristic, for an upper bound."""
+    per key, the most promising by cost plus bound: a heuristic, for an upper bound.
+    `max_front`: raise FrontTooLarge when a key's front outgrows it (the caller
+    tightens the bounds and runs again; a count, so the same on any machine)."""
     start = np.array([[0.0, 0.0, NEG, 0.0, 0.0, float(initial_bytes)]])
     fronts = {(None, False): _Front(start, np.zeros(1, np.int64))}
     layers: list[_Layer] = []
@@ -244,16 +268,17 @@ def run(
             menu = table.get((mode_prev, delta_prev if mode_prev in DROPPED else False))
             if menu is None:
                 continue
-            rows, parent, option, key = _extend(front, menu, offsets, budget, min_peak)
+            cut = None if bounds is None else (lambda key, cost, k, b=b: cost + bounds.at(b, key, k) <= limit)
+            rows, parent, option, key = _extend(front, menu, offsets, budget, min_peak, cut)
             for index, out_key in enumerate(menu.keys):
                 sel = key == index
-                if bounds is not None:
-                    sel &= rows[:, COST] + bounds.at(b, out_key, rows[:, K]) <= limit
                 if sel.any():
                     parts.setdefault(out_key, []).append((rows[sel], parent[sel], option[sel] + len(options)))
             options.extend(menu.options)
         score = None if not (beam and bounds) else (lambda key, x, b=b: x[:, COST] + bounds.at(b, key, x[:, K]))
         fronts, layer = _prune(parts, options, min_peak, beam, score)
+        if max_front is not None and any(len(f.x) > max_front for f in fronts.values()):
+            raise FrontTooLarge(b)
         if not fronts:
             return None
         layers.append(layer)
@@ -261,13 +286,22 @@ def run(
 
 
 def _extend(front: _Front, menu: Menu, offsets: tuple[int, int], budget: int,
-            min_peak: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every (option, entry) pair that fits: new rows, parent ids, option and key indices."""
+            min_peak: bool, cut=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (option, entry) pair that fits: new rows, parent ids, option and key indices.
+    `cut(key, cost, K)` (the bound test) drops pairs before their rows are built (most
+    pairs fail it: building them all was most of the search's time)."""
     x = front.x
     n_opt, n = len(menu.cost), len(x)
     local = np.maximum(_max_plus(menu.backward, x) + offsets[1], menu.forward[:, None] + offsets[0])
     peak = np.maximum(x[None, :, PEAK], x[None, :, K] + local)
     fits = np.ones((n_opt, n), bool) if min_peak else peak <= budget
+    if cut is not None:
+        for index, out_key in enumerate(menu.keys):
+            sel = np.flatnonzero(menu.key == index)
+            if len(sel):
+                cost = x[None, :, COST] + menu.cost[sel, None]
+                k = x[None, :, K] + menu.keep[sel, None]
+                fits[sel] &= cut(out_key, cost.ravel(), k.ravel()).reshape(len(sel), n)
     o, e = np.nonzero(fits)
     xe = x[e]
     rows = np.empty((len(o), 6))

@@ -119,6 +119,48 @@ class BlockEvaluator:
         level = run.levels(steps, delta)
         return run.summarize(steps, level, delta)
 
+    def evaluate_modes(self, config: tuple[Decision, ...], modes_prev: tuple, delta: bool) -> dict:
+        """{mode of a_{b-1}: evaluate(config, mode, delta), or the InvalidLocal it raises}
+        for every mode, replaying as few runs as possible: a run in which a dropped
+        a_{b-1} is never brought back (not touched) serves every mode. The dropped modes
+        differ only where a_{b-1} is brought back, so they give the same Local; SAVE
+        differs only in a_{b-1} being on the device, which nothing reads without bringing
+        a dropped a_{b-1} back, so its steps are the same plus the END read, and a_{b-1}'s
+        forward instance (ended at its last F_b read in the dropped run) lives to END."""
+        dropped = [m for m in modes_prev if m in (Decision.RECOMPUTE, Decision.OFFLOAD)]
+        out: dict = {}
+        if self.block.prev is not None and dropped:
+            run = _Run(self, dict(zip(self.values, config)), dropped[0])
+            try:
+                steps = run.build(delta)
+            except InvalidLocal as error:
+                out[dropped[0]] = error
+            else:
+                level = run.levels(steps, delta)
+                local = run.summarize(steps, level, delta)
+                out[dropped[0]] = local
+                if not local.prev_touched:
+                    out.update((m, local) for m in dropped)
+                    if Decision.SAVE in modes_prev:
+                        out[Decision.SAVE] = self._held(run, steps, level, delta, local)
+        for mode in modes_prev:
+            if mode not in out:
+                try:
+                    out[mode] = self.evaluate(config, mode, delta)
+                except InvalidLocal as error:
+                    out[mode] = error
+        return out
+
+    def _held(self, run: _Run, steps: list, level: list[int], delta: bool, local: Local) -> Local:
+        """The SAVE run's Local from an untouched dropped run (evaluate_modes)."""
+        if not self.block.prev_read_later:
+            return local  # no END step: the same steps and lifetimes
+        size = self.nodes[self.block.prev].out_bytes
+        end = self.fwd_instances.inst_end[0]  # a_{b-1}'s forward instance: its last F_b read
+        held = [x + size if k > end else x for k, x in enumerate(level)]
+        held.append(size)  # END: only a_{b-1}'s storage is read there
+        return run.summarize([*steps, (END, self.block.prev, 0)], held, delta)
+
 
 class _Run:
     """One replay of the local step list."""

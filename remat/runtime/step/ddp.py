@@ -4,8 +4,10 @@ DDP's reducer allocates, when the DDP module is built, flat bucket buffers for e
 gradient it all-reduces: as many bytes as the parameters that require grad. They live as
 long as the DDP module, outside every graph that `torch.compile(DDP(model))` hands the
 backend (DDPOptimizer's bucket graphs take the parameters, never the buckets), and the
-gradients are copied into them after each backward (with `gradient_as_bucket_view=True`
-the gradients are views of them: the ledger then counts both, a bound).
+gradients are copied into them after each backward. With `gradient_as_bucket_view=True`
+the reducer makes each gradient a view of its bucket instead (the gradient a backward
+computes is copied in and freed): those gradients take no bytes beyond the buckets, and
+the ledger counts them once, as buckets (`grads_in_buckets`).
 
 `DdpState` finds the DDP modules whose parameters a graph call takes (once per ledger,
 through the garbage collector: DDP keeps no registry) and gives their bucket bytes.
@@ -45,6 +47,17 @@ class DdpState:
             if issubclass(type(obj), DistributedDataParallel) and any(
                     StorageWeakRef(p.untyped_storage()) in keys for p in obj.module.parameters()):
                 self._modules.append(weakref.ref(obj))
+
+    def grads_in_buckets(self) -> frozenset:
+        """Storage keys of the parameters whose gradients are views of their DDP module's
+        buckets (`gradient_as_bucket_view=True`): counted in `bucket_bytes`, not again
+        as gradients."""
+        keys = set()
+        for ref in self._modules:
+            module = ref()
+            if module is not None and module.gradient_as_bucket_view:
+                keys |= {StorageWeakRef(p.untyped_storage()) for p in module.module.parameters() if p.requires_grad}
+        return frozenset(keys)
 
     def bucket_bytes(self) -> int:
         """Bytes of the reducer's bucket buffers of every live DDP module found."""

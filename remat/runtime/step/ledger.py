@@ -186,6 +186,8 @@ class StepLedger:
         # group's parameters): what remains, the sharded gradient, is in
         # `fsdp.transient_bytes`; any other group's stay until the end of the backward
         later -= self.fsdp.transient_grads() & self._fed_by_grad
+        # DDP with gradient_as_bucket_view: a gradient lands in its bucket (counted outside)
+        later -= self.ddp.grads_in_buckets()
         return sum(self._param_bytes.get(k, 0) for k in later - call.params - call.with_grad)
 
     def learning_share(self, outside: int, pending: tuple[int, ...], baseline: int) -> int:
@@ -340,11 +342,13 @@ class StepLedger:
         counted.update((k, ref().untyped_storage().nbytes()) for k, (ref, _) in self._params.items()
                        if k not in exclude)
         with_grad = set()
+        in_buckets = self.ddp.grads_in_buckets()  # views of DDP's buckets, counted as buckets
         for key, (ref, _) in self._params.items():
             grad = getattr(ref(), "grad", None)
             if grad is not None:
                 with_grad.add(key)
-                counted[StorageWeakRef(grad.untyped_storage())] = grad.untyped_storage().nbytes()
+                if key not in in_buckets:
+                    counted[StorageWeakRef(grad.untyped_storage())] = grad.untyped_storage().nbytes()
         # FSDP2's sharded parameters and gradients, unsharded parameters and buffers
         counted.update((k, n) for k, n in self.fsdp.live().items() if k not in exclude)
         return sum(counted.values()), frozenset(with_grad)
