@@ -61,6 +61,9 @@ class PlannedStep:
     """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
     (inductor's own estimate, `remat.runtime.inductor.estimate`); the plan was made to fit
     `budget_bytes` with this margin. 0 elsewhere."""
+    fusion_graph_bytes: tuple[Any, ...] = ()
+    """Under inductor: each graph's peak as inductor generates it vs op by op
+    (`remat.runtime.inductor.estimate.GraphBytes`), where the margin comes from. () elsewhere."""
 
 
 class Partitioner:

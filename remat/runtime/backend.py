@@ -236,6 +236,11 @@ class RematBackend:
                          "fusion: " + ", ".join(
                              f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
                              for e in self.fusion_estimates))
+        graph_bytes = [(i, g) for i, step in enumerate(self.steps) for g in step.fusion_graph_bytes]
+        if graph_bytes:  # where the margin comes from: each graph as generated vs op by op
+            compiled += "\ngenerated code:  " + ", ".join(
+                f"{'' if len(self.steps) == 1 else f'#{i} '}{g.graph} {g.generated_bytes} B vs {g.op_by_op_bytes} B op by op"
+                for i, g in graph_bytes)
         if self.measured is not None:
             predicted = (self.ledger.predicted_step_bytes if step_wide else
                          sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps))
