@@ -61,6 +61,9 @@ TORCH_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
 FIXED_SOLVERS = ("none", "all")  # one point each: their plan ignores the budget
 SEED = 1234
 MIB = 2**20
+COST_MODEL = "compiled"
+"""The cost model remat plans with and every method's recomputation is costed with
+(`--cost-model`; remat.frontend.costs.COST_MODELS)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,6 +90,13 @@ class Row:
     grads_equal_traced_path: bool | None = None
     """Gradients equal those of eager run on the code path transformers takes when traced."""
     buffers_equal: bool | None = None
+    recompute_ms: float | None = None
+    """Milliseconds the recomputation costs under `COST_MODEL` (torch: its backward's
+    copies of forward nodes; remat: its plan's recompute seconds, replays included)."""
+    saving_ms: float | None = None
+    """Milliseconds of traffic the saved tensors cost: written by the forward and read by
+    the backward, 2 x their bytes over the bandwidth (what `remat.fusion` weighs a
+    fusible recompute against). recompute + saving is the compiled model's cost."""
     note: str = ""
 
     @property
@@ -104,6 +114,10 @@ class Prepared:
     predicted_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     """remat's predicted no-remat peak (where its budget sweep starts)."""
+    recompute_s: float | None = None
+    """What the recomputation costs under `COST_MODEL` (see `Row.recompute_ms`)."""
+    saving_s: float | None = None
+    """See `Row.saving_ms`."""
 
 
 # --- methods -----------------------------------------------------------------------------
@@ -166,28 +180,64 @@ def prepare_torch(case: zoo.ModelCase, budget: float) -> Prepared:
 
     wrapper = _LossOnly(case.model, tuple(case.kwargs))
     inputs = [*case.args, *case.kwargs.values()]
+    recompute_s: list[float] = []
+    saving_s: list[float] = []
+
+    def partition(joint, *args: Any, **kwargs: Any):
+        fw, bw = min_cut_rematerialization_partition(joint, *args, **kwargs)
+        recompute_s.append(_torch_recompute_s(fw, bw))
+        saving_s.append(_saving_s(fw))
+        return fw, bw
+
     started = time.perf_counter()
     with functorch_config.patch(activation_memory_budget=budget):
         # traced exactly as remat.plan traces (eager code path first), boxed graphs
-        compiled = compile_joint(wrapper, inputs, min_cut_rematerialization_partition,
-                                 user_model=case.model).compiled
+        compiled = compile_joint(wrapper, inputs, partition, user_model=case.model).compiled
     plan_s = time.perf_counter() - started
 
     def step() -> None:
         compiled(*inputs)[0].backward()
 
-    return Prepared(case=case, step=step, plan_s=plan_s)
+    return Prepared(case=case, step=step, plan_s=plan_s, recompute_s=sum(recompute_s),
+                    saving_s=sum(saving_s))
+
+
+def _saving_s(fw: torch.fx.GraphModule) -> float:
+    """2 x the bytes of the forward module's outputs (the loss and what it saves for the
+    backward) over the bandwidth: written once, read once."""
+    from remat.frontend import costs
+
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    saved = {a for a in out.args[0] if isinstance(a, torch.fx.Node)}  # each tensor once
+    values = [a.meta.get("val") for a in saved]
+    saved_bytes = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return 2.0 * saved_bytes / costs.device_speed("cpu").bandwidth_bytes_per_s
+
+
+def _torch_recompute_s(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> float:
+    """`COST_MODEL` seconds of the forward nodes torch's backward computes again: the
+    min-cut partitioner copies them into the backward under their joint names."""
+    from remat.frontend import costs
+
+    forward = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    again = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in forward]
+    cost = costs.cost_function(COST_MODEL, costs.device_speed("cpu"))
+    log.info("torch recomputes %d forward nodes: %s", len(again),
+             ", ".join(sorted({str(getattr(n.target, "__name__", n.target)) for n in again})))
+    return sum(cost(n) for n in again)
 
 
 def prepare_remat(case: zoo.ModelCase, budget: int | str, solver: str) -> Prepared:
     import remat
 
     started = time.perf_counter()
-    planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver)
+    planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver,
+                         cost_model=COST_MODEL)
     plan_s = time.perf_counter() - started
     return Prepared(case=case, step=_loss_step(planned, case), plan_s=plan_s,
                     predicted_peak_bytes=planned.predicted_peak_bytes,
-                    baseline_peak_bytes=planned.baseline_peak_bytes)
+                    baseline_peak_bytes=planned.baseline_peak_bytes,
+                    recompute_s=planned.step.evaluation.recompute_s, saving_s=_saving_s(planned.step.forward))
 
 
 def remat_available() -> str | None:
@@ -299,6 +349,8 @@ def measure(p: Prepared, ref: Reference, *, model: str, method: str, setting: st
         grads_equal=_equal(grads, ref.grads), grads_equal_traced_path=_equal(grads, ref.traced_path_grads),
         grads_max_abs_diff=max(diffs, default=0.0) if grads.keys() == ref.grads.keys() else float("inf"),
         buffers_equal=all(torch.equal(buffers[k], b) for k, b in ref.buffers.items()),
+        recompute_ms=None if p.recompute_s is None else 1e3 * p.recompute_s,
+        saving_ms=None if p.saving_s is None else 1e3 * p.saving_s,
     )
 
 
@@ -335,8 +387,19 @@ def torch_rows(name: str, size: str, ref: Reference, budgets, repeats: int) -> l
     return rows
 
 
+def _matched(top: Row, targets, baseline: int, low: int) -> dict[int, str]:
+    """Budgets whose plans measure at the targets: each target plus what remat's
+    prediction holds that this bench's step does not (the step drops its output, the
+    logits; remat's budget covers a caller that keeps them), as read off the 100% row."""
+    held = (top.predicted_peak_bytes or 0) - (top.peak_bytes or 0)
+    if held <= 0:
+        return {}
+    return {t + held: f"{t / MIB:.2f} MiB measured (budget +{held / MIB:.2f}: the dropped output)"
+            for t in sorted(set(targets), reverse=True) if low <= t + held < baseline}
+
+
 def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repeats: int,
-               targets: tuple[int, ...] = ()) -> list[Row]:
+               targets: tuple[int, ...] = (), match_measured: bool = True) -> list[Row]:
     """remat per solver over `points` budgets from the no-remat peak down to the
     smallest reachable, plus each of `targets` (the measured peaks of the other methods:
     the dominance question is what remat costs at exactly their memory)."""
@@ -356,8 +419,8 @@ def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repea
             rows.append(_failed(name, method, "100%", e))
             continue
         budgets: list[Any] = [None]  # None: the plan at 100% already made
+        baseline, low = top.baseline_peak_bytes, 1
         if solver not in FIXED_SOLVERS and points > 1:
-            baseline = top.baseline_peak_bytes
             try:
                 prepare_remat(case, 1, solver)
                 low = 1
@@ -367,13 +430,18 @@ def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repea
                 rows.append(_failed(name, method, "smallest", e))
                 low = baseline
             budgets += _linspace_bytes(baseline, low, points)[1:]
+        if solver not in FIXED_SOLVERS:  # --points 1: 100% and the other methods' peaks only
             budgets += sorted((t for t in set(targets) if low <= t < baseline and t not in budgets),
                               reverse=True)
+        labels: dict[int, str] = {}
         for budget in budgets:
-            setting = "100%" if budget is None else f"{budget / MIB:.2f} MiB"
+            setting = "100%" if budget is None else labels.get(budget, f"{budget / MIB:.2f} MiB")
             try:
                 prepared = top if budget is None else prepare_remat(case, budget, solver)
                 rows.append(measure(prepared, ref, model=name, method=method, setting=setting, repeats=repeats))
+                if budget is None and solver not in FIXED_SOLVERS and match_measured:
+                    labels = _matched(rows[-1], targets, baseline, low)
+                    budgets += [b for b in labels if b not in budgets]
             except remat.InfeasibleBudgetError as e:
                 rows.append(Row(model=name, method=method, setting=setting,
                                 note=f"infeasible for {solver}; smallest reachable {_mib(e.min_peak_bytes)} MiB"))
@@ -506,7 +574,8 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
 
 
 _COLUMNS = ("method", "setting", "peak MiB", "profiler MiB", "predicted MiB", "extra GFLOP", "extra %",
-            "step s", "eager s", "slowdown", "plan s", "grads == eager", "buffers == eager", "note")
+            "step s", "eager s", "slowdown", "plan s", "grads == eager", "buffers == eager",
+            "recompute ms (cost model)", "saving ms", "note")
 
 
 def _fmt(x: Any, spec: str = "") -> str:
@@ -527,13 +596,13 @@ def _cells(r: Row, eager_flops: int | None) -> list[str]:
     return [r.method, r.setting, _mib(r.peak_bytes), _mib(r.profiler_peak_bytes), _mib(r.predicted_peak_bytes),
             _fmt(None if r.extra_flops is None else r.extra_flops / 1e9, ".3f"), _fmt(pct, ".1f"),
             _fmt(r.step_s, ".3f"), _fmt(r.eager_step_s, ".3f"), _fmt(r.slowdown, ".2f"), _fmt(r.plan_s, ".1f"),
-            grads, _fmt(r.buffers_equal), r.note.replace("|", "/")]
+            grads, _fmt(r.buffers_equal), _fmt(r.recompute_ms, ".3f"), _fmt(r.saving_ms, ".3f"), r.note.replace("|", "/")]
 
 
 def _row_line(r: Row) -> str:
     """A progress line: method, setting, peak, profiler peak, extra GFLOP, slowdown, note."""
     c = _cells(r, None)
-    return " | ".join([r.model, *c[:4], c[5], c[9], r.note])
+    return " | ".join([r.model, *c[:4], c[5], c[9], c[13], c[14], r.note])
 
 
 def markdown(rows: list[Row]) -> str:
@@ -611,6 +680,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "OpenMP barriers under oversubscription made eager steps vary 20x (0 = torch's default)")
     parser.add_argument("--out", default="results/compare")
     parser.add_argument("--quick", action="store_true", help="gpt2, two budgets, one solver")
+    parser.add_argument("--cost-model", default=COST_MODEL,
+                        help="how remat prices a recompute, and every method's recompute column "
+                             "(remat.frontend.costs.COST_MODELS: compiled, eager)")
     parser.add_argument("--compiled", action="store_true",
                         help="add torch.compile and remat+inductor rows (bench/compiled.py)")
     opts = parser.parse_args(argv)
@@ -637,6 +709,8 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("torch", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     opts = _parse(argv)
+    global COST_MODEL
+    COST_MODEL = opts.cost_model
     if opts.threads:
         torch.set_num_threads(opts.threads)
     started = time.perf_counter()

@@ -18,7 +18,7 @@ from torch import nn
 from remat import distributed
 from remat.budget import check_budget_syntax
 from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
-from remat.frontend.costs import DeviceSpeed
+from remat.frontend.costs import COST_MODELS, DeviceSpeed
 from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
 from remat.planner import Partitioner, PlannedStep
@@ -37,7 +37,7 @@ class Planned(nn.Module):
 
     def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
                  sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None,
-                 compile: bool = False):
+                 compile: bool = False, cost_model: str | None = None):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -56,6 +56,7 @@ class Planned(nn.Module):
         self.sync_ranks = sync_ranks
         self.offload = offload
         self.compile = compile
+        self.cost_model = cost_model
         self.training = model.training
 
     @property
@@ -145,8 +146,12 @@ class Planned(nn.Module):
                                    # the budget is the allocator's count: kernel scratch
                                    # counts (compile=True: the backend's own default)
                                    measure_workspace_by_default=not self.compile,
+                                   cost_model=self.cost_model or "eager",
                                    # inductor's graphs keep random ops saved: plan the same space
-                                   replay_rng=self.options.get("replay_rng", not self.compile))
+                                   replay_rng=self.options.get("replay_rng", not self.compile),
+                                   # twice-recomputing plans below every canonical one: the
+                                   # eager runtime runs them (remat/runtime/schedule.py)
+                                   schedules=self.options.get("schedules", not self.compile))
         try:
             traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
                                    user_model=self.model)
@@ -173,9 +178,9 @@ class Planned(nn.Module):
         so the budget covers the whole step."""
         from remat.runtime.backend import RematBackend
 
-        options = {k: v for k, v in self.options.items() if k != "replay_rng"}  # eager runtime's
+        options = {k: v for k, v in self.options.items() if k not in ("replay_rng", "schedules")}  # eager runtime's
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          offload=self.offload, **options)
+                          offload=self.offload, cost_model=self.cost_model, **options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 
@@ -242,6 +247,7 @@ def plan(
     offload: bool | str = "auto",
     device_speed: DeviceSpeed | None = None,
     compile: bool = False,
+    cost_model: str | None = None,
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
@@ -271,22 +277,36 @@ def plan(
     saving the mask and output. `replay_rng=False` (an option) always saves them, as
     `compile=True` does (inductor's partitioner hook does not replay them).
 
+    Below every plan that recomputes each value at most once, the planner tries plans
+    that drop a recomputed value after one backward reader and recompute it again for a
+    later one (per-layer checkpointing among them) and takes the cheapest that fits;
+    the stated floor is the least of both. `schedules=False` (an option) plans the
+    canonical ones only, as `compile=True` does.
+
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The
     budget is checked here, before anything runs; gradients then match eager up to
-    inductor's rounding instead of bit for bit."""
+    inductor's rounding instead of bit for bit.
+
+    cost_model: how a recompute's seconds are estimated, one of
+    `remat.frontend.costs.COST_MODELS`: "eager" (default; each op its own kernel) or
+    "compiled" (pointwise ops fused into their consumers cost only the bytes they read;
+    for comparing with inductor-compiled training). It changes which plan is chosen,
+    never the memory model or the runtime."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
         raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
     check_budget_syntax(budget)  # fail before tracing, not after
     check_offload(offload)
+    if cost_model is not None and cost_model not in COST_MODELS:
+        raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")
     distributed.check_plannable(model)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
     planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
-                      offload=offload, device_speed=device_speed, compile=compile)
+                      offload=offload, device_speed=device_speed, compile=compile, cost_model=cost_model)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

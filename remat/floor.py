@@ -8,7 +8,15 @@ budget asked for (Whisper tiny read 3,319,048 B from a 60% budget and 3,441,672 
 refusal of one graph states the same floor, in any process, and planning at it succeeds.
 Floor plans found in this process are remembered per graph and search options: the next
 refusal reuses the search, and the next solve of the same graph (the user re-planning
-at the reported floor) is warm-started with it (`hint`)."""
+at the reported floor) is warm-started with it (`hint`).
+
+With `schedules` (the eager runtime's default), a budget no canonical plan fits is then
+tried with the plans that recompute a value more than once (`solvers.floor.
+scheduled_plans`): the cheapest that fits is returned, and the floor is the least peak
+over the canonical floor plan and those. A budget the canonical search fits never gets
+one (they replay more, so they are never cheaper where a canonical plan fits). They
+never offload: with offload allowed, the floor is the least of the canonical plan
+(offloading) and the recompute-only scheduled ones."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from remat.frontend.offloading import offload_hint
 from remat.frontend.problem import GraphProblem
 from solvers import SOLVERS, Plan, Problem, Status, solve
 from solvers.base import finish
-from solvers.floor import FLOOR_TIME_LIMIT_S, least_peak_plan
+from solvers.floor import FLOOR_TIME_LIMIT_S, least_peak_plan, scheduled_plans
 
 _REMEMBERED = 16
 """Graphs whose floor plan is remembered (most recent first out)."""
@@ -45,9 +53,11 @@ def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> 
 
 
 def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[str, Any],
-                 baseline_bytes: int, offload: Any = "auto") -> tuple[Plan, InfeasibleBudgetError | None]:
+                 baseline_bytes: int, offload: Any = "auto",
+                 schedules: bool = False) -> tuple[Plan, InfeasibleBudgetError | None]:
     """After `failed` (INFEASIBLE): a plan that fits when the floor does (warm-started
-    with the floor plan), else `failed` and the error stating the floor and its plan."""
+    with the floor plan; with `schedules`, else the cheapest fitting scheduled plan),
+    else `failed` and the error stating the floor and its plan."""
     started_s = time.perf_counter()
     problem = gp.problem
     limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
@@ -65,6 +75,16 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
             plan = finish(problem, floor_plan.decisions, solver, started_s=started_s)
         if plan.status is not Status.INFEASIBLE:
             return plan, None
+    if schedules:
+        scheduled = scheduled_plans(problem, floor_plan.decisions)
+        fitting = [p for p in scheduled if p.status is not Status.INFEASIBLE]
+        if fitting:  # ties: the lower peak, then the earlier (deterministic)
+            best = min(fitting, key=lambda p: (p.objective_s, p.peak_bytes))
+            return dataclasses.replace(best, solver=f"{solver}+scheduled"), None
+        least = min(scheduled, key=lambda p: (p.peak_bytes, p.objective_s), default=None)
+        if least is not None and least.peak_bytes < floor_plan.peak_bytes:
+            floor_plan = finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
+                                started_s=started_s, schedule=least.schedule)
     reach = floor_plan.peak_bytes
     error = InfeasibleBudgetError(
         f"budget {format_bytes(problem.budget_bytes)} is below the smallest reachable peak "

@@ -75,8 +75,11 @@ class Partitioner:
                  device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
                  compiled_offload: bool = False, replay_rng: bool = False,
                  budget_for: Callable[[int], int] | None = None, best_effort: bool = False,
-                 measure_workspace_by_default: bool = False) -> None:
+                 measure_workspace_by_default: bool = False, schedules: bool = False) -> None:
         self.num_params = num_params
+        self.schedules = schedules
+        """Below every canonical plan, try plans that recompute a value more than once
+        (`remat.floor`): the eager runtime's default (`remat.plan`'s `schedules` option)."""
         self.measure_workspace_by_default = measure_workspace_by_default
         """Measure op workspace when the `measure_workspace` option is not given (True from
         `remat.plan`'s eager runtime; the backend keeps its own default)."""
@@ -164,7 +167,8 @@ class Partitioner:
             plan = lowest_found(gp.problem, plan)
         elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
-                                         baseline_bytes=baseline, offload=self.offload)
+                                         baseline_bytes=baseline, offload=self.offload,
+                                         schedules=self.schedules)
         if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
@@ -213,7 +217,7 @@ class Partitioner:
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None,
                            sum_gradients_in_place=self.sum_gradients_in_place)
-        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng")}
+        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng", "schedules")}
         measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
                                        self.measure_workspace_by_default)
         if measured:

@@ -17,7 +17,8 @@ import time
 from solvers.base import finish
 from solvers.problem import Decision, Plan, Problem, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, solve
-from solvers.simulate import evaluate
+from solvers.schedules import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
+from solvers.simulate import PlanError, evaluate
 
 FLOOR_TIME_LIMIT_S = 10.0
 """Deterministic seconds the floor search may spend (the ilp default)."""
@@ -47,6 +48,31 @@ def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME
             best = dict(found.decisions)
     floor = evaluate(zero, best).peak_bytes
     return finish(problem.with_budget(floor), best, "floor", started_s=started)
+
+
+def scheduled_plans(problem: Problem, best) -> list[Plan]:
+    """Plans that recompute some value more than once (solvers/schedules.py), for when
+    no canonical plan fits: `best` (if it offloads nothing) and everything recomputed,
+    each per layer and per backward reader, and per-layer checkpointing; each evaluated
+    at `problem`'s budget, in that order. None on problems without repeated layers.
+    They never offload: the rewriter runs a twice-recomputed value without reloads.
+    Per-reader segments replay everything before every reader: least peak, most cost."""
+    if problem.layers is None:
+        return []
+    started = time.perf_counter()
+    layers, readers = layer_segments(problem), per_reader_segments(problem)
+    bases = [dict(best)] if Decision.OFFLOAD not in dict(best).values() else []
+    bases.append(decisions_all(problem, Decision.RECOMPUTE))
+    tries = [(d, segments) for d in bases for segments in (layers, readers)]
+    tries.append((checkpoint_decisions(problem), layers))
+    plans = []
+    for decisions, segments in tries:
+        try:
+            schedule = segmented_schedule(problem, decisions, segments)
+            plans.append(finish(problem, decisions, "scheduled", started_s=started, schedule=schedule))
+        except PlanError:
+            continue
+    return plans
 
 
 def _key(problem: Problem, decisions) -> tuple[int, float]:

@@ -50,8 +50,20 @@ def segmented_schedule(problem: Problem, decisions: Mapping[int, Decision],
 
 def per_reader_segments(problem: Problem) -> list[int | None]:
     """Every backward node its own segment: each reader recomputes what it needs afresh
-    (the most recomputation; the least held between readers)."""
-    return list(range(len(problem.nodes)))
+    (the most recomputation; the least held between readers). Except a node that reads
+    a backward node reading all its forward inputs: it shares that node's segment. The
+    other outputs of a multi-output op are such nodes (solvers read them as reading the
+    op's inputs, which the op's run has already used: recomputing those inputs again
+    for them would only lengthen lifetimes the model holds and the runtime does not)."""
+    nodes = problem.nodes
+    segment: list[int | None] = list(range(len(nodes)))
+    for b in problem.backward_ids:
+        mine = {j for j in nodes[b].inputs if nodes[j].phase is Phase.FORWARD}
+        for c in reversed(nodes[b].inputs):
+            if nodes[c].phase is Phase.BACKWARD and mine <= set(nodes[c].inputs):
+                segment[b] = segment[c]
+                break
+    return segment
 
 
 def layer_segments(problem: Problem) -> list[int | None]:

@@ -3,6 +3,8 @@ simulated and executed (remat/runtime/schedule.py rebuilds the backward from the
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 import remat
 from nets import Tower, assert_trains_like_eager
 from remat.measure import measure_step
-from solvers import Decision, Node, Options, Phase, Problem, StepKind, decisions_all, solve
+from solvers import Decision, Node, Options, Phase, Problem, Status, StepKind, decisions_all, simulate, solve
 from solvers.base import finish
 from solvers import registry
 from solvers.registry import SolverSpec
@@ -108,3 +110,41 @@ def test_schedules_run_as_simulated(solver, per_reader):
         p.grad = None
     measured = measure_step(lambda: planned(x).backward(), register=(model, x)).peak_bytes
     assert measured == planned.predicted_peak_bytes
+
+
+def test_below_every_canonical_plan_the_cheapest_fitting_schedule_is_planned():
+    """With repeated layers and `schedules` (the eager runtime's default), a budget no
+    canonical plan fits gets the cheapest scheduled plan that fits; the floor stated
+    below that is the least over canonical and scheduled plans. Without `schedules`
+    the floor is the canonical one (remat.floor)."""
+    from remat import floor as remat_floor
+    from remat.frontend.problem import GraphProblem
+    from solvers.floor import least_peak_plan, scheduled_plans
+    from solvers.structure import OUTSIDE, LayerStructure
+
+    base = _two_readers()
+    layer_of = [OUTSIDE] * len(base.nodes)
+    layer_of[1] = 0
+    problem = dataclasses.replace(base, layers=LayerStructure(layer_of=layer_of, names=("layer.0",)))
+    canonical = least_peak_plan(problem, time_limit_s=0.5)
+    assert canonical.schedule is None and canonical.peak_bytes == solve(problem, "brute").peak_bytes == 221
+    blank = tuple("" for _ in problem.nodes)
+
+    def at(budget: int, schedules: bool):
+        p = problem.with_budget(budget)
+        gp = GraphProblem(problem=p, fx_names=tuple(() for _ in blank), value_name=blank, source=blank,
+                          never_replay={})
+        failed = solve(p, "ilp", time_limit_s=0.5)
+        assert failed.status is Status.INFEASIBLE  # no canonical plan reaches it
+        remat_floor._FLOOR_PLANS.clear()
+        return p, remat_floor.at_the_floor(gp, failed, solver="ilp", options={"time_limit_s": 0.5},
+                                           baseline_bytes=221, schedules=schedules)
+
+    least = min(p.peak_bytes for p in scheduled_plans(problem.with_budget(0), canonical.decisions))
+    assert least == 122
+    p, (plan, err) = at(122, schedules=True)
+    fitting = [q for q in scheduled_plans(p, canonical.decisions) if q.status is not Status.INFEASIBLE]
+    assert err is None and plan.schedule is not None and simulate(p, plan).fits
+    assert plan.objective_s == min(q.objective_s for q in fitting)
+    assert at(121, schedules=True)[1][1].min_peak_bytes == 122
+    assert at(122, schedules=False)[1][1].min_peak_bytes == 221

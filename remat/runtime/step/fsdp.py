@@ -22,7 +22,9 @@ next group's reduce-scatter) and its output (the new sharded gradient).
   group after it and the backward prefetch's all-gather output (two group-sized buffers
   at once), the reduce-scatter's output (and its cast back to the parameters' dtype under
   mixed precision), and the sharded gradients that do not exist yet (set to None before
-  the step); the all-gather output held at the call's start is freed by then;
+  the step) of the groups that can reduce-scatter before the call's backward ends (none
+  whose parameters an earlier call of the step took); the all-gather output held at the
+  call's start is freed by then;
 - `transient_grads`: the unsharded parameters whose gradients FSDP2 may reduce-scatter
   and free right after their group's backward (every group but the root's: its
   post-backward waits for the end of the backward), so that the ledger does not count
@@ -130,10 +132,17 @@ class FsdpState:
                 add(scatter.reduce_scatter_input)
         return out
 
-    def transient_bytes(self) -> int:
-        """A bound on what FSDP2 allocates around one graph call, beyond `live` at its start."""
+    def transient_bytes(self, earlier: frozenset = frozenset()) -> int:
+        """A bound on what FSDP2 allocates around one graph call, beyond `live` at its start.
+        `earlier`: the storages of the parameters that earlier graph calls of this step
+        took. A group whose parameters an earlier call took reduce-scatters after that
+        call's backward (FSDP2's post-backward fires once a group's forward inputs have
+        their gradients, or at the end of the backward), so after this call's backward:
+        its sharded gradients, when the step started without them, do not exist yet."""
         buffers, outputs, casts, missing_grads = [0], [0], [0], 0
         for _, group in self._groups():
+            done_after = any(hasattr(p, "_unsharded_param") and _key(p._unsharded_param) in earlier
+                             for p in group.fsdp_params)
             world = getattr(group.mesh_info, "shard_mesh_size", 1)
             gather = scatter = output = cast = 0
             for p in group.fsdp_params:
@@ -145,7 +154,7 @@ class FsdpState:
                 output += numel * (reduce_dtype.itemsize
                                    + (p.orig_dtype.itemsize if reduce_dtype != p.orig_dtype else 0))
                 cast += numel * param_dtype.itemsize if param_dtype != p.orig_dtype else 0
-                if p.sharded_param.requires_grad and p.sharded_param.grad is None:
+                if p.sharded_param.requires_grad and p.sharded_param.grad is None and not done_after:
                     missing_grads += numel * p.orig_dtype.itemsize
             buffers.append(max(gather, scatter))
             outputs.append(output)

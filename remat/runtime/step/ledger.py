@@ -167,7 +167,7 @@ class StepLedger:
             self._fed_by_grad |= params
         outside, with_grad = self._live_bytes(exclude=mine)
         if self.fsdp.found:
-            outside += self.fsdp.transient_bytes()
+            outside += self.fsdp.transient_bytes(frozenset().union(*(c.params for c in self.current)))
         outside += self.ddp.bucket_bytes()
         return Seen(outside_bytes=outside, pending=tuple(position for position, _ in self._pending),
                     params=frozenset(params), with_grad=with_grad,
