@@ -318,14 +318,15 @@ def test_the_bounded_search_returns_the_plain_optimum_when_runs_are_abandoned(mo
             abandoned.append(kw["max_front"])
             raise
 
-    def bounds(tables, budget, grid=16, max_grid=16):
-        return real_bounds(tables, budget, grid=grid, max_grid=max_grid)
+    def bounds(tables, budget, grid, max_grid=1 << 16):  # no exact gcd grid: rounded K
+        return real_bounds(tables, budget, grid=grid, max_grid=min(grid, max_grid))
 
     for fraction in (0.6, 0.7, 0.8):
         budget = builders.with_budget_fraction(problem, fraction).budget_bytes
         plain = real_run(tables, seq.initial_bytes, budget, min_peak=False)
         monkeypatch.setattr(fronts, "run", run)
         monkeypatch.setattr(fronts, "completion_bounds", bounds)
+        monkeypatch.setattr(dp, "FIRST_GRID", 16)
         for limit in (-1, dp.MAX_FRONT):
             monkeypatch.setattr(dp, "MAX_FRONT", limit)
             got = dp._cheapest(tables, seq.initial_bytes, budget)

@@ -184,23 +184,24 @@ def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]
 
 def _shifted_min(best: np.ndarray, nxt: np.ndarray, cost: np.ndarray, shift: np.ndarray, cap: np.ndarray) -> None:
     """best[j] = min(best[j], min over options o with j <= cap[o] of cost[o] +
-    nxt[min(j + shift[o], size - 1)]), by groups of equal shift: within one, the
-    cheapest option fitting at j is a suffix minimum over caps (options differ in
-    their shifts far less often than in cost or cap)."""
+    nxt[min(j + shift[o], size - 1)]), by groups of equal shift (options differ in
+    their shifts far less often than in cost or cap): within one, by decreasing cap,
+    the cheapest option fitting at j is a running minimum, constant between caps."""
     size = len(nxt)
-    order = np.lexsort((cap, shift))
+    order = np.lexsort((-cap, shift))
     shift, cap, cost = shift[order], cap[order], cost[order]
     starts = np.flatnonzero(np.r_[True, shift[1:] != shift[:-1]])
     for lo, hi in zip(starts, np.r_[starts[1:], len(shift)]):
-        s = int(shift[lo])
-        cheapest = np.full(size, np.inf)
-        np.minimum.at(cheapest, cap[lo:hi], cost[lo:hi])
-        cheapest = np.minimum.accumulate(cheapest[::-1])[::-1]  # fits at j: cap >= j
-        moved = nxt[s:] if s < size else nxt[-1:]
-        tail = size - len(moved)
-        if tail:
-            moved = np.concatenate((moved, np.full(tail, nxt[-1])))
-        np.minimum(best, cheapest + moved, out=best)
+        s, top = int(shift[lo]), int(cap[lo]) + 1
+        moved = nxt[s:s + top] if s < size else nxt[-1:]
+        if len(moved) < top:
+            moved = np.concatenate((moved, np.full(top - len(moved), nxt[-1])))
+        cheapest = np.minimum.accumulate(cost[lo:hi])  # fits wherever j <= its cap
+        caps = cap[lo:hi].tolist() + [-1]
+        for k in range(hi - lo):
+            a, b = caps[k + 1] + 1, caps[k] + 1  # j in (next cap, this cap]
+            if a < b:
+                np.minimum(best[a:b], cheapest[k] + moved[a:b], out=best[a:b])
 
 
 def summary_floors(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]]) -> list[dict[tuple, np.ndarray]]:
