@@ -40,3 +40,25 @@ def test_compiled_model_charges_pointwise_ops_their_memory_reads_only():
 def test_unknown_cost_model_is_refused_with_the_valid_ones():
     with pytest.raises(RematError, match="valid cost models: \\['eager', 'compiled'\\]"):
         costs.cost_function("fast", SPEED)
+
+
+def test_remat_plan_takes_the_cost_model_and_refuses_an_unknown_one_before_tracing():
+    import remat
+    from remat.frontend.costs import COST_MODELS
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)).sum()
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 16)
+    with pytest.raises(RematError, match="valid cost models"):
+        remat.plan(model, (x,), budget="100%", cost_model="fused")
+    planned = remat.plan(model, (x,), budget="100%", solver="none", cost_model="compiled")
+    assert planned.__dict__["_remat_cache"] and "compiled" in COST_MODELS
+    planned(x).backward()
+    assert model.lin.weight.grad is not None

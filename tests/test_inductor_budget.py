@@ -21,6 +21,7 @@ from torch import nn
 
 import remat
 from remat.runtime.backend import backend
+from remat.runtime.inductor.estimate import inductor_peak_bytes
 
 
 class Gated(nn.Module):
@@ -69,8 +70,9 @@ def test_prediction_holds_the_measurement_at_the_refusal_point(edge):
     refusal, (be, step, measured, _) = edge
     assert refusal.min_peak_bytes > refusal.budget_bytes
     assert step.evaluation.recomputed_ids  # a tight plan: the gates are recomputed
-    # the prediction counts what the generated code holds beyond op by op (the margin;
-    # 0 at the floor found since the floor search tries schedules that recompute twice)
+    # the prediction counts what the generated code holds beyond op by op (the margin:
+    # measured 706,340 B = predicted, 673,048 + 33,292; 0 at a floor from schedules that
+    # recompute twice, while the floor search tried them)
     predicted = step.evaluation.peak_bytes + step.fusion_margin_bytes
     assert measured.peak_bytes <= predicted <= step.budget_bytes == refusal.min_peak_bytes
     summary = be.summary()
@@ -78,6 +80,11 @@ def test_prediction_holds_the_measurement_at_the_refusal_point(edge):
     if step.fusion_margin_bytes:
         assert f"of which {step.fusion_margin_bytes / 2**20:.2f} MiB ({step.fusion_margin_bytes} B) is inductor's fusion" in summary
     assert "fusion:          neighbours" in summary
+    # where the margin comes from, per graph: inductor's generated code vs op by op
+    fw_bytes, bw_bytes = step.fusion_graph_bytes
+    assert (fw_bytes.graph, bw_bytes.graph) == ("forward", "backward")
+    assert predicted == inductor_peak_bytes(step.evaluation, step.fusion_graph_bytes)
+    assert f"backward {bw_bytes.generated_bytes} B vs {bw_bytes.op_by_op_bytes} B op by op" in summary
     (fw, bw) = be.fusion_estimates
     assert (fw.graph, bw.graph) == ("forward", "backward")
 
