@@ -121,6 +121,11 @@ def _cheapest(tables: list, initial_bytes: int, budget: int) -> tuple | None:
     for k in range(len(grids) + 1):
         if k:
             bounds = fronts.completion_bounds(tables, budget, grid=grids[k - 1], max_grid=grids[k - 1])
+            # a beam guided by the finer bound may find a cheaper plan: a lower threshold
+            # (GPT-2-48 at 50%: 0.16% lower, the exact run then minutes -> 9 s)
+            better = fronts.run(tables, initial_bytes, budget, min_peak=False, bounds=bounds, beam=BEAM_WIDTH)
+            if better is not None and better[1] < upper:
+                guess, upper = better, better[1]
         if guess is not None and guess[1] <= float(bounds.after[0][(None, False)][0]) * (1 + 1e-12):
             return guess  # the bound proves the guess optimal
         try:
