@@ -176,7 +176,7 @@ def solve_only(args: argparse.Namespace) -> list[dict]:
         path = traced_problem(spec, directory, args.retrace)
         for solver in args.solvers:
             options = {}
-            if args.max_block_configs and solver in ("layers", "auto"):
+            if args.max_block_configs and solver == "layers":
                 options["max_block_configs"] = args.max_block_configs
             if args.time_limit is not None:
                 options["time_limit_s"] = args.time_limit

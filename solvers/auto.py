@@ -44,6 +44,10 @@ class AutoOptions(Options):
     default_time_limit_s: float = 10.0
     """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
     seconds)."""
+    layers_max_block_configs: int = 1 << 14
+    """max_block_configs given to `layers` (its own default, 2^17, admits the traced
+    GPT-2 and LLaMA attention blocks, whose tables take minutes of CPU to build cold:
+    more than auto's time; bench/depth.py --solve-only measures them)."""
     hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing
@@ -90,6 +94,8 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
         if name == "ilp" and opts.hint is not None:
             passed["hint"] = opts.hint
+        if name == "layers":
+            passed["max_block_configs"] = opts.layers_max_block_configs
         try:
             plan = SOLVERS[name].run(problem, make_options(name, **passed))
         except UnsupportedProblem as error:

@@ -53,6 +53,14 @@ class LayersOptions(DPOptions):
     """Options of `layers` (those of `dp`): time_limit_s (deterministic seconds) bounds
     building the block tables; past it the solver declines with UnsupportedProblem."""
 
+    max_block_configs: int = 1 << 17
+    """Largest block enumerated (dp's default is 2^14). Traced transformers with dropout
+    replay have attention blocks of 57,600 (GPT-2) and 95,040 (LLaMA) configurations
+    after dp's exact pruning: building such a table takes about 0.3-1 ms per
+    configuration and context of a_{b-1} on one core (GPT-2-12: 30-100 CPU s cold, two
+    attention tables), once per process for every depth and budget. `auto` passes its
+    own, smaller limit (AutoOptions.layers_max_block_configs)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reduced:

@@ -151,3 +151,29 @@ def test_shared_block_tables_charge_the_clock_as_building_them_did():
     for _ in range(2):
         with pytest.raises(UnsupportedProblem, match="time limit"):
             solve(problem, "dp", time_limit_s=tight)
+
+
+def test_layers_admits_traced_attention_blocks_and_auto_keeps_its_smaller_limit(monkeypatch):
+    """`layers` enumerates blocks up to 2^17 configurations (GPT-2's 57,600 and LLaMA's
+    95,040 attention blocks); `auto` hands it 2^14 (those tables take minutes cold)."""
+    import dataclasses
+
+    from solvers import SOLVERS
+    from solvers.auto import AutoOptions
+    from solvers.dp.solver import DPOptions
+    from solvers.layered import LayersOptions
+
+    assert LayersOptions().max_block_configs == 1 << 17 > DPOptions().max_block_configs
+    seen = []
+    spec = SOLVERS["layers"]
+
+    def run(problem, options):
+        seen.append(options.max_block_configs)
+        return spec.run(problem, options)
+
+    import solvers.auto as auto
+
+    monkeypatch.setattr(auto, "SOLVERS", {**SOLVERS, "layers": dataclasses.replace(spec, run=run)})
+    problem = builders.with_budget_fraction(stack(3, 0), 0.8)
+    assert solve(problem, "auto", brute_max=0).solver == "auto"
+    assert seen == [AutoOptions().layers_max_block_configs] == [1 << 14]
