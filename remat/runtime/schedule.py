@@ -60,9 +60,10 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
                 continue
             k = copies.get(name, 0)
             copies[name] = k + 1
-            if _other_output_of_untracked_op(node, graph_problem.fx_names[step.node_id]):
-                # another output of a multi-output op (the problem models it as reading
-                # the op's inputs): the op runs again here, read by this getitem only
+            if (_other_output_of_untracked_op(node, graph_problem.fx_names[step.node_id])
+                    and node.args[0].name not in newest):
+                # another output of a multi-output op no step has run yet (the problem
+                # models it as reading the op's inputs): the op runs here, for it
                 op = node.args[0]
                 j = copies.get(op.name, 0)
                 copies[op.name] = j + 1
