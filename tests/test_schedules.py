@@ -148,3 +148,33 @@ def test_below_every_canonical_plan_the_cheapest_fitting_schedule_is_planned():
     assert plan.objective_s == min(q.objective_s for q in fitting)
     assert at(121, schedules=True)[1][1].min_peak_bytes == 122
     assert at(122, schedules=False)[1][1].min_peak_bytes == 221
+
+
+def test_gpt2_at_its_scheduled_floor_runs_other_outputs_of_a_split():
+    """GPT-2 with dropout saved (replay_rng=False): the floor is a scheduled plan that
+    recomputes another output of attention's qkv `split` while the split's first output
+    stays saved; the rebuilt backward runs the split again for it (it read a split no
+    step made before). Measured <= predicted, gradients those of eager on the same code
+    path (transformers' traced path)."""
+    import copy
+
+    from torch._export.utils import _compiling_state_context
+
+    from remat import zoo
+
+    case = zoo.build("gpt2", size="tiny")
+    eager = copy.deepcopy(case.model)
+    with pytest.raises(remat.InfeasibleBudgetError) as info:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, replay_rng=False)
+    assert info.value.min_peak_plan.schedule is not None
+    planned = remat.plan(case.model, case.args, case.kwargs, budget=info.value.min_peak_bytes, replay_rng=False)
+    assert planned.plan.schedule is not None
+    torch.manual_seed(0)
+    measured = measure_step(lambda: planned(*case.args, **case.kwargs).loss.backward(),
+                            register=(case.model, case.args, case.kwargs)).peak_bytes
+    assert measured <= planned.predicted_peak_bytes
+    torch.manual_seed(0)
+    with _compiling_state_context():
+        eager(*case.args, **case.kwargs).loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), case.model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name

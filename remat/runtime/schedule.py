@@ -60,6 +60,18 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
                 continue
             k = copies.get(name, 0)
             copies[name] = k + 1
+            if (_other_output_of_untracked_op(node, graph_problem.fx_names[step.node_id])
+                    and node.args[0].name not in newest):
+                # another output of a multi-output op no step has run yet (the problem
+                # models it as reading the op's inputs): the op runs here, for it
+                op = node.args[0]
+                j = copies.get(op.name, 0)
+                copies[op.name] = j + 1
+                again = graph.create_node(op.op, op.target, fx.node.map_arg(op.args, read),
+                                          fx.node.map_arg(op.kwargs, read),
+                                          name=op.name if j == 0 else f"{op.name}_recomputed{j}", type_expr=op.type)
+                again.meta = dict(op.meta)
+                newest[op.name] = again
             args = fx.node.map_arg(node.args, read)
             kwargs = fx.node.map_arg(node.kwargs, read)
             # a second copy gets a name no joint node has (passes after this one match
@@ -71,6 +83,17 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
     out = bw.graph.output_node()
     graph.output(fx.node.map_arg(out.args[0], lambda n: newest[n.name]), type_expr=out.type)
     bw.graph = graph
+
+
+def _other_output_of_untracked_op(node: fx.Node, step_names) -> bool:
+    """`node` is a getitem of an op that this step does not run (the op belongs to another
+    problem node, the op's first output)."""
+    import operator
+
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    op = node.args[0]
+    return isinstance(op, fx.Node) and op.op == "call_function" and op.name not in step_names
 
 
 def _copy_untracked(graph: fx.Graph, node: fx.Node, newest: dict[str, fx.Node], read) -> None:
