@@ -58,9 +58,10 @@ class PlannedStep:
     library_trace_path: str = ""
     """Why the model was traced on its library's compile path (see `trace.Traced`), or ''."""
     fusion_margin_bytes: int = 0
-    """Under inductor: how much its fusion raises the peak over `evaluation.peak_bytes`
-    (inductor's own estimate, `remat.runtime.inductor.estimate`); the plan was made to fit
-    `budget_bytes` with this margin. 0 elsewhere."""
+    """Under inductor: how much its generated code raises the peak over
+    `evaluation.peak_bytes` (`remat.runtime.inductor.estimate.inductor_peak_bytes` over
+    `fusion_graph_bytes`); the plan was made to fit `budget_bytes` with this margin. 0
+    elsewhere."""
     fusion_graph_bytes: tuple[Any, ...] = ()
     """Under inductor: each graph's peak as inductor generates it vs op by op
     (`remat.runtime.inductor.estimate.GraphBytes`), where the margin comes from. () elsewhere."""

@@ -311,25 +311,17 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     return tuple(record), tuple(measured)
 
 
-def fusion_excess_bytes(generated: Sequence[GraphBytes]) -> int:
-    """How much inductor raises the step's peak over remat's op-by-op model. While a
-    graph runs, the step holds the same bytes outside it either way, so its peak rises by
-    exactly what its generated code holds beyond the same graph run op by op (lowering
-    inlines pointwise ops into kernels and fusion groups kernels: a kernel keeps every
-    input of the ops it covers; its buffer reuse gives some back); the step's peak is one
-    graph's peak, so the largest rise bounds it."""
-    return max([0] + [g.excess_bytes for g in generated])
-
-
 def inductor_peak_bytes(evaluation: Any, generated: Sequence[GraphBytes]) -> int:
     """The step's peak under inductor: for each graph, remat's peak over the steps that
     graph runs (forward steps; backward, recompute and reload steps) plus that graph's
     `excess_bytes`. While a graph runs the step holds the same bytes outside it either
-    way, and remat's peak over its steps is at least those bytes plus the graph's op-by-op
-    peak, so each term bounds that graph's real peak. Adding the largest excess to the
-    step's peak instead over-counts when the two graphs peak apart (GPT-2 tiny at its floor:
-    the step's peak is in the forward, the backward's excess of 992,687 B sits 524,288 B
-    lower: measured 5,241,864 B, this bound 5,241,864 B, the old one 5,766,152 B)."""
+    way, and its generated code holds at most `excess_bytes` beyond the same graph run op
+    by op (lowering inlines pointwise ops into kernels and fusion groups kernels: a kernel
+    keeps every input of the ops it covers; its buffer reuse gives some back); remat's
+    peak over its steps is at least those outside bytes plus the graph's op-by-op peak,
+    so each term bounds that graph's real peak. Adding the largest excess to the step's
+    peak instead over-counts when the graphs peak apart (tests/test_inductor_margin.py).
+    On GPT-2 tiny at its floor both rules agree: the step's peak is in the backward."""
     from solvers.problem import StepKind
 
     excess = {g.graph: g.excess_bytes for g in generated}
@@ -387,7 +379,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         fits = inductor_peak_bytes(step.evaluation, generated) <= budget_bytes  # at most: the forward may add
         if fits or at_floor or replan >= MAX_REPLANS:  # a plan kept or a refusal: both graphs
             generated = (graph_bytes("forward"), *generated)
-        # what inductor adds to remat's peak (at most the largest excess, `fusion_excess_bytes`)
+        # what inductor adds to remat's peak (at most the largest `excess_bytes`)
         margin = inductor_peak_bytes(step.evaluation, generated) - step.evaluation.peak_bytes
         log.debug("remat: %s, margin %d B", generated, margin)
         worst = max(worst, margin)
@@ -412,5 +404,5 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     return fw, bw
 
 
-__all__ = ["MAX_REPLANS", "GraphBytes", "estimate_fusion", "fusion_excess_bytes", "generated_bytes",
+__all__ = ["MAX_REPLANS", "GraphBytes", "estimate_fusion", "generated_bytes",
            "op_by_op_bytes", "inductor_peak_bytes", "plan_under_fusion"]
