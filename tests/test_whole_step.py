@@ -112,6 +112,20 @@ def test_measured_whole_step_peak_under_the_budget(run):
     assert "WARNING" not in be.summary()
 
 
+def test_a_known_step_runs_no_simulation(run, monkeypatch):
+    """Once the split is known, a step only measures and runs: each variant's boundary
+    bytes are simulated once (a simulate per call cost LLaMA tiny a third of its step)."""
+    from remat.runtime.step import split
+
+    model, _, x, be, compiled, *_ = run
+    simulated = []
+    real = split.simulate
+    monkeypatch.setattr(split, "simulate", lambda *a, **k: simulated.append(a) or real(*a, **k))
+    planned = len(be.steps)
+    _step(compiled, model, x)
+    assert len(be.steps) == planned and simulated == []
+
+
 def test_a_budget_no_split_fits_is_refused_as_the_first_step_ends():
     torch._dynamo.reset()
     model = Broken(layers=2)
@@ -119,3 +133,4 @@ def test_a_budget_no_split_fits_is_refused_as_the_first_step_ends():
     with pytest.raises(remat.InfeasibleBudgetError, match="smallest reachable peak") as info:
         torch.compile(model, backend=be)(torch.randn(256, 64)).backward()
     assert info.value.min_peak_bytes > info.value.budget_bytes == be.ledger.budget_bytes
+
