@@ -682,7 +682,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="gpt2, two budgets, one solver")
     parser.add_argument("--cost-model", default=COST_MODEL,
                         help="how remat prices a recompute, and every method's recompute column "
-                             "(remat.frontend.costs.COST_MODELS: compiled, eager)")
+                             "(remat.frontend.costs.COST_MODELS: compiled, compiled-traffic, eager)")
     parser.add_argument("--compiled", action="store_true",
                         help="add torch.compile and remat+inductor rows (bench/compiled.py)")
     opts = parser.parse_args(argv)

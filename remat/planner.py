@@ -226,11 +226,30 @@ class Partitioner:
         if replayable is not None:
             gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
                                                                        joint=joint if measured else None))
+        if self.cost_model == "compiled-traffic":
+            gp = dataclasses.replace(gp, problem=with_save_costs(gp, joint, speed))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
         return gp, baseline, speed, options
+
+
+def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.DeviceSpeed) -> Problem:
+    """`gp.problem` with `Node.save_s` set on the values the backward reads whose saving
+    costs traffic under the "compiled-traffic" cost model (`costs.save_cost_s`): plain
+    (not views), recomputable values."""
+    problem = gp.problem
+    by_name = {n.name: n for n in joint.graph.nodes}
+    nodes = list(problem.nodes)
+    for i in problem.needed_ids:
+        node, fx_node = nodes[i], by_name.get(gp.value_name[i])
+        if fx_node is None or node.alias_of is not None or not node.recomputable or not node.out_bytes:
+            continue
+        save_s = costs.save_cost_s(fx_node, speed)
+        if save_s:
+            nodes[i] = dataclasses.replace(node, save_s=save_s)
+    return dataclasses.replace(problem, nodes=tuple(nodes))
 
 
 def lowest_found(problem: Problem, failed: Plan) -> Plan:

@@ -134,6 +134,9 @@ def _behind(problem: Problem, kept: frozenset[int]) -> frozenset[int]:
 
 def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     started = time.perf_counter()
+    if any(problem.nodes[i].save_s for i in problem.decision_ids):
+        raise UnsupportedProblem("layers: the problem charges saving values (Node.save_s, cost model "
+                                 "'compiled-traffic'); its tables count recompute seconds only; use 'ilp'")
     if problem.layers is None or problem.layers.n_layers < 2:
         raise UnsupportedProblem("layers: the problem carries no layer structure (Problem.layers, found by "
                                  "the torch front end from nn_module_stack); use 'dp' or 'ilp'")

@@ -72,6 +72,12 @@ class Node:
     """Transient bytes the op allocates and frees inside itself, beyond its output
     (kernel scratch: im2col, oneDNN/cuDNN/cuBLAS workspaces), live only while the op
     runs; counted at every step that runs it (forward, backward or recompute)."""
+    save_s: float = 0.0
+    """Seconds that keeping this value for the backward (SAVE) costs beyond the step
+    without remat's choice: 0 unless the cost model charges it. Under inductor a fusible
+    pointwise value that is recomputed is never written to memory, while a saved one is
+    written in the forward and read back in the backward (cost model
+    "compiled-traffic": 2 x its bytes over the bandwidth)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -83,6 +89,8 @@ class Node:
             raise ValueError(f"node {self.name!r}: out_bytes must be an int >= 0, got {self.out_bytes!r}")
         if not self.compute_s >= 0.0:  # also rejects NaN
             raise ValueError(f"node {self.name!r}: compute_s must be >= 0, got {self.compute_s!r}")
+        if not self.save_s >= 0.0:
+            raise ValueError(f"node {self.name!r}: save_s must be >= 0, got {self.save_s!r}")
         if self.phase in (Phase.PARAM, Phase.INPUT) and self.inputs:
             raise ValueError(f"node {self.name!r}: a {self.phase.value} node has no inputs, got {self.inputs}")
         if self.alias_of is not None and self.alias_of not in self.inputs:
@@ -321,6 +329,8 @@ class Evaluation:
     """Forward ids recomputed at least once, ascending."""
     transfer_s: float = 0.0
     """Transfer seconds out and back, in full (hidden or not)."""
+    save_s: float = 0.0
+    """`Node.save_s` summed over the values the plan saves."""
 
     @property
     def hidden_transfer_s(self) -> float:
@@ -329,8 +339,10 @@ class Evaluation:
 
     @property
     def cost_s(self) -> float:
-        """The objective every solver minimizes: extra seconds over a no-remat step."""
-        return self.recompute_s + self.offload_s
+        """The objective every solver minimizes: extra seconds over a no-remat step
+        (recompute, exposed transfers, and what saving costs where the cost model
+        charges it)."""
+        return self.recompute_s + self.offload_s + self.save_s
 
 
 def decisions_all(problem: Problem, decision: Decision) -> dict[int, Decision]:

@@ -299,4 +299,13 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         fits=peak <= problem.budget_bytes,
         recomputed_ids=tuple(sorted(recomputed)),
         transfer_s=transfer_s,
+        save_s=_save_s(problem, decisions),
     )
+
+
+def _save_s(problem: Problem, decisions: Mapping[int, Decision]) -> float:
+    """`Node.save_s` of the saved values the backward reads (only those are held for it:
+    a never-needed value's SAVE and RECOMPUTE are the same schedule)."""
+    nodes, needed = problem.nodes, problem.needed_ids
+    return sum(nodes[i].save_s for i, d in decisions.items()
+               if d is Decision.SAVE and nodes[i].save_s and i in needed)

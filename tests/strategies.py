@@ -67,11 +67,12 @@ WORKSPACES = [0, 0, 0, 8, 40, 160]
 
 @st.composite
 def problems(draw, max_forward: int = 6, offload: bool | None = None,
-             workspace: bool | None = None) -> Problem:
+             workspace: bool | None = None, save: bool = False) -> Problem:
     """A random joint problem with a budget between 80% of the smaller and the larger of
     the `all` and `none` peaks (so some are infeasible); offload bandwidth
     None or a power of two (offload=None: either); op workspaces on forward and
-    backward non-view nodes (workspace=None: either)."""
+    backward non-view nodes (workspace=None: either); `save`: what saving costs
+    (`Node.save_s`) on forward non-view nodes."""
     problem = joint_from_forward(draw(forward_ops(max_forward)))
     if workspace is None:
         workspace = draw(st.booleans())
@@ -79,6 +80,12 @@ def problems(draw, max_forward: int = 6, offload: bool | None = None,
         nodes = tuple(
             dataclasses.replace(n, workspace_bytes=draw(st.sampled_from(WORKSPACES)))
             if n.phase in (Phase.FORWARD, Phase.BACKWARD) and n.alias_of is None else n
+            for n in problem.nodes)
+        problem = dataclasses.replace(problem, nodes=nodes)
+    if save:
+        nodes = tuple(
+            dataclasses.replace(n, save_s=draw(st.sampled_from([0.0, *COSTS])))
+            if n.phase is Phase.FORWARD and n.alias_of is None else n
             for n in problem.nodes)
         problem = dataclasses.replace(problem, nodes=nodes)
     if offload is None:

@@ -38,7 +38,7 @@ def test_compiled_model_charges_pointwise_ops_their_memory_reads_only():
 
 
 def test_unknown_cost_model_is_refused_with_the_valid_ones():
-    with pytest.raises(RematError, match="valid cost models: \\['eager', 'compiled'\\]"):
+    with pytest.raises(RematError, match="valid cost models: \\['eager', 'compiled', 'compiled-traffic'\\]"):
         costs.cost_function("fast", SPEED)
 
 

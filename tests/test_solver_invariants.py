@@ -57,6 +57,19 @@ def test_every_solver_meets_the_contract(solver, problem):
         _agrees_with_brute(problem, plan)
 
 
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
+@settings(max_examples=25)
+@given(problem=problems(max_forward=5, save=True))
+def test_every_solver_meets_the_contract_when_saving_costs(solver, problem):
+    """Node.save_s (the "compiled-traffic" cost model) is in every objective: simulate's
+    cost, the plan's claim, and the exact solvers' optimum (dp and layers decline)."""
+    plan = run_checked(problem, solver)
+    if plan is None:
+        return
+    if SOLVERS[solver].exact and problem.offload_bandwidth_bytes_per_s is None:
+        _agrees_with_brute(problem, plan)
+
+
 def _agrees_with_brute(problem: Problem, plan: Plan) -> None:
     """"Exact solvers equal brute on small problems" (DESIGN.md). Brute covers every
     SAVE/RECOMPUTE plan under the canonical schedule; a solver with explicit schedules

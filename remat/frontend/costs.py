@@ -356,7 +356,7 @@ def node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
 
 # --- Cost models -----------------------------------------------------------------------
 
-COST_MODELS = ("eager", "compiled")
+COST_MODELS = ("eager", "compiled", "compiled-traffic")
 """How a node's time is estimated (`Partitioner(cost_model=...)`, `remat.plan`/`remat.backend`):
 
 - ``"eager"``: every op runs as its own kernel: the roofline of its FLOPs and of all the
@@ -367,7 +367,15 @@ COST_MODELS = ("eager", "compiled")
   outputs of non-pointwise ops (matmuls, reductions, placeholders). So its cost is those
   input bytes over the bandwidth, and recomputing a GELU or a dropout-free residual chain
   costs memory traffic, not a kernel. Matmuls, convolutions, reductions and extern kernels
-  keep the eager roofline. The default of `remat.backend` (inductor).
+  keep the eager roofline. The default of `remat.backend` (inductor). Saving a fusible
+  value costs traffic that recomputing it does not; under this model that enters after
+  the solver, through a greedy pass (`remat.fusion`).
+- ``"compiled-traffic"``: the same recompute costs, and the traffic of saving in the
+  objective itself: a saved pointwise value that the backward reads costs 2 x its bytes
+  over the bandwidth (written in the forward, read back in the backward; recomputed, it
+  is fused into its readers and never written), `solvers.Node.save_s`. Every solver's
+  objective and `simulate`'s cost then include it; `dp`/`layers` decline such problems
+  (their tables count recompute seconds only), so `auto` uses `ilp`.
 """
 
 
@@ -387,11 +395,20 @@ def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
     return read / speed.bandwidth_bytes_per_s
 
 
+def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
+    """Seconds of traffic that saving `node`'s value costs under "compiled-traffic" (see
+    `COST_MODELS`): 2 x its bytes over the bandwidth when it is pointwise, else 0 (a
+    matmul's or reduction's output is written whether it is saved or not)."""
+    if not _is_pointwise(node):
+        return 0.0
+    return 2.0 * _tensor_bytes(_val(node)) / speed.bandwidth_bytes_per_s
+
+
 def cost_function(cost_model: str, speed: DeviceSpeed):
     """`node -> seconds` of the named cost model (one of `COST_MODELS`)."""
     if cost_model == "eager":
         return lambda node: node_cost_s(node, speed)
-    if cost_model == "compiled":
+    if cost_model in ("compiled", "compiled-traffic"):
         return lambda node: compiled_node_cost_s(node, speed)
     from remat.errors import RematError
 

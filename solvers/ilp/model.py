@@ -60,6 +60,7 @@ class CanonicalModel:
         self.data = model_data(problem)
         self.model = cp_model.CpModel()
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
+        costs += [problem.nodes[v].save_s for v in self.data.decision]
         bw = problem.offload_bandwidth_bytes_per_s
         if bw:
             costs += [problem.transfer_s(v) for v in self.data.decision]
@@ -414,6 +415,9 @@ class CanonicalModel:
     def _objective(self) -> None:
         p, s = self.problem, self.scale
         terms = [(round(p.nodes[v].compute_s * s), self.rec[v]) for v in self.data.decision]
+        # what saving costs where the cost model charges it (Node.save_s)
+        terms += [(round(p.nodes[v].save_s * s), self.save[v]) for v in self.data.decision
+                  if p.nodes[v].save_s and v in p.needed_ids]
         for v, off in self.off.items():  # the exposed part of each copy (Problem.store_s)
             terms += [(round(p.store_s(v) * s), off), (round(p.reload_s(v) * s), self.reload[v])]
         self.model.minimize(sum(c * x for c, x in terms if c))
