@@ -73,11 +73,11 @@ class Node:
     (kernel scratch: im2col, oneDNN/cuDNN/cuBLAS workspaces), live only while the op
     runs; counted at every step that runs it (forward, backward or recompute)."""
     save_s: float = 0.0
-    """Seconds that keeping this value for the backward (SAVE) costs beyond the step
-    without remat's choice: 0 unless the cost model charges it. Under inductor a fusible
-    pointwise value that is recomputed is never written to memory, while a saved one is
-    written in the forward and read back in the backward (cost model
-    "compiled-traffic": 2 x its bytes over the bandwidth)."""
+    """Seconds that saving this value (SAVE) costs when the backward reads it (0 unless
+    the cost model charges it). Under inductor a fusible pointwise value that is
+    recomputed is never written to memory, while a saved one is written in the forward
+    and read back in the backward (cost model "compiled-traffic": 2 x its bytes over the
+    bandwidth)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -330,7 +330,7 @@ class Evaluation:
     transfer_s: float = 0.0
     """Transfer seconds out and back, in full (hidden or not)."""
     save_s: float = 0.0
-    """`Node.save_s` summed over the values the plan saves."""
+    """`Node.save_s` summed over the saved values the backward reads."""
 
     @property
     def hidden_transfer_s(self) -> float:
