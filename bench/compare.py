@@ -62,6 +62,8 @@ FIXED_SOLVERS = ("none", "all")  # one point each: their plan ignores the budget
 SEED = 1234
 MIB = 2**20
 COST_MODEL = "compiled"
+TIME_LIMIT_S: float | None = None
+"""remat's solver time limit (`--time-limit`; None: the solver's default, 10 s for ilp)."""
 """The cost model remat plans with and every method's recomputation is costed with
 (`--cost-model`; remat.frontend.costs.COST_MODELS)."""
 
@@ -231,8 +233,9 @@ def prepare_remat(case: zoo.ModelCase, budget: int | str, solver: str) -> Prepar
     import remat
 
     started = time.perf_counter()
+    limit = {"time_limit_s": TIME_LIMIT_S} if TIME_LIMIT_S and solver in ("auto", "ilp", "layers") else {}
     planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver,
-                         cost_model=COST_MODEL)
+                         cost_model=COST_MODEL, **limit)
     plan_s = time.perf_counter() - started
     return Prepared(case=case, step=_loss_step(planned, case), plan_s=plan_s,
                     predicted_peak_bytes=planned.predicted_peak_bytes,
@@ -683,6 +686,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cost-model", default=COST_MODEL,
                         help="how remat prices a recompute, and every method's recompute column "
                              "(remat.frontend.costs.COST_MODELS: compiled, compiled-traffic, eager)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="remat's solver time limit in deterministic seconds (auto, ilp, layers; "
+                             "default: the solver's own, 10 s)")
     parser.add_argument("--compiled", action="store_true",
                         help="add torch.compile and remat+inductor rows (bench/compiled.py)")
     opts = parser.parse_args(argv)
@@ -709,8 +715,8 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("torch", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     opts = _parse(argv)
-    global COST_MODEL
-    COST_MODEL = opts.cost_model
+    global COST_MODEL, TIME_LIMIT_S
+    COST_MODEL, TIME_LIMIT_S = opts.cost_model, opts.time_limit
     if opts.threads:
         torch.set_num_threads(opts.threads)
     started = time.perf_counter()
