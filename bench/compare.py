@@ -62,10 +62,10 @@ FIXED_SOLVERS = ("none", "all")  # one point each: their plan ignores the budget
 SEED = 1234
 MIB = 2**20
 COST_MODEL = "compiled"
-TIME_LIMIT_S: float | None = None
-"""remat's solver time limit (`--time-limit`; None: the solver's default, 10 s for ilp)."""
 """The cost model remat plans with and every method's recomputation is costed with
 (`--cost-model`; remat.frontend.costs.COST_MODELS)."""
+TIME_LIMIT_S: float | None = None
+"""remat's solver time limit (`--time-limit`; None: the solver's default, 10 s for ilp)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
