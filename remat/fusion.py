@@ -20,17 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import fx
 
-from remat.frontend.costs import DeviceSpeed
+from remat.frontend.costs import DeviceSpeed, save_cost_s
 from remat.frontend.problem import GraphProblem
 from solvers import Decision, Plan, Status, simulate
-
-
-def _pointwise(node: fx.Node | None) -> bool:
-    return (node is not None and node.op == "call_function"
-            and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags)
 
 
 def prefer_fused_recompute(joint: fx.GraphModule, gp: GraphProblem, plan: Plan, speed: DeviceSpeed,
@@ -41,11 +35,12 @@ def prefer_fused_recompute(joint: fx.GraphModule, gp: GraphProblem, plan: Plan, 
         return plan  # an explicit schedule is the solver's own; keep it as it is
     problem = gp.problem
     by_name = {n.name: n for n in joint.graph.nodes}
-    candidates = [
-        i for i, d in plan.decisions.items()
+    traffic_s = {  # what saving each candidate costs (0 unless it is pointwise)
+        i: save_cost_s(by_name[gp.value_name[i]], speed) if gp.value_name[i] in by_name else 0.0
+        for i, d in plan.decisions.items()
         if d is Decision.SAVE and problem.nodes[i].recomputable and problem.nodes[i].alias_of is None
-        and problem.nodes[i].out_bytes > 0 and _pointwise(by_name.get(gp.value_name[i]))
-    ]
+    }
+    candidates = [i for i, t in traffic_s.items() if t > 0 and problem.nodes[i].out_bytes > 0]
     candidates.sort(key=lambda i: (-problem.nodes[i].out_bytes, i))
     decisions = dict(plan.decisions)
     current = simulate(problem, decisions)
@@ -53,8 +48,7 @@ def prefer_fused_recompute(joint: fx.GraphModule, gp: GraphProblem, plan: Plan, 
     for i in candidates[:max_candidates]:
         trial = {**decisions, i: Decision.RECOMPUTE}
         ev = simulate(problem, trial)
-        saving_traffic_s = 2.0 * problem.nodes[i].out_bytes / speed.bandwidth_bytes_per_s
-        if ev.fits and ev.cost_s - current.cost_s <= saving_traffic_s:
+        if ev.fits and ev.cost_s - current.cost_s <= traffic_s[i]:
             decisions, current, changed = trial, ev, True
     if not changed:
         return plan

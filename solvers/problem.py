@@ -191,6 +191,14 @@ class Problem:
         )
 
     @functools.cached_property
+    def save_charged(self) -> tuple[tuple[int, float], ...]:
+        """(id, `Node.save_s`) of the values a SAVE decision is charged for: those with a
+        save cost that the backward reads (only they are held for it; a never-needed
+        value's SAVE and RECOMPUTE are the same schedule), ascending. Empty unless the cost
+        model charges saving ("compiled-traffic")."""
+        return tuple((j, self.nodes[j].save_s) for j in sorted(self.needed_ids) if self.nodes[j].save_s)
+
+    @functools.cached_property
     def decision_ids(self) -> tuple[int, ...]:
         """Forward values a plan decides: those backward reads, and their forward
         ancestors (which a recomputation may need), ascending."""

@@ -304,8 +304,5 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
 
 
 def _save_s(problem: Problem, decisions: Mapping[int, Decision]) -> float:
-    """`Node.save_s` of the saved values the backward reads (only those are held for it:
-    a never-needed value's SAVE and RECOMPUTE are the same schedule)."""
-    nodes, needed = problem.nodes, problem.needed_ids
-    return sum(nodes[i].save_s for i, d in decisions.items()
-               if d is Decision.SAVE and nodes[i].save_s and i in needed)
+    """`Node.save_s` of the saved values that are charged for it (`Problem.save_charged`)."""
+    return sum(s for i, s in problem.save_charged if decisions.get(i) is Decision.SAVE)

@@ -59,6 +59,15 @@ def test_remat_plan_takes_the_cost_model_and_refuses_an_unknown_one_before_traci
     with pytest.raises(RematError, match="valid cost models"):
         remat.plan(model, (x,), budget="100%", cost_model="fused")
     planned = remat.plan(model, (x,), budget="100%", solver="none", cost_model="compiled")
-    assert planned.__dict__["_remat_cache"] and "compiled" in COST_MODELS
+    eager = remat.plan(model, (x,), budget="100%", solver="none", cost_model="eager")
+
+    def tanh_s(p):  # the planned problem's cost of the pointwise tanh
+        names = p.step.graph_problem.value_name
+        return next(p.problem.nodes[i].compute_s for i, name in enumerate(names) if name.startswith("tanh"))
+
+    # the plan's problem was costed by the model asked for: tanh reads the matmul's output
+    # only (fused), where eager also writes its own
+    assert 0 < tanh_s(planned) < tanh_s(eager)
+    assert set(COST_MODELS) >= {"eager", "compiled", "compiled-traffic"}
     planned(x).backward()
     assert model.lin.weight.grad is not None

@@ -45,8 +45,16 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
 
     def read(n: fx.Node) -> fx.Node:
         if n.name not in newest:
-            _copy_untracked(graph, n, newest, read)
+            _check_untracked(n)
+            _copy(graph, n, newest, read)  # copied just before its first reader
         return newest[n.name]
+
+    def run(node: fx.Node) -> None:
+        # a second copy gets a name no joint node has (passes after this one match
+        # joint names: the first copy keeps its name)
+        k = copies.get(node.name, 0)
+        copies[node.name] = k + 1
+        _copy(graph, node, newest, read, name=node.name if k == 0 else f"{node.name}_recomputed{k}")
 
     for step in evaluation.steps:
         if step.kind is StepKind.FORWARD:
@@ -58,28 +66,12 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
             node = by_name[name]
             if node.op == "placeholder":  # a tangent: already a placeholder of bw
                 continue
-            k = copies.get(name, 0)
-            copies[name] = k + 1
             if (_other_output_of_untracked_op(node, graph_problem.fx_names[step.node_id])
                     and node.args[0].name not in newest):
                 # another output of a multi-output op no step has run yet (the problem
                 # models it as reading the op's inputs): the op runs here, for it
-                op = node.args[0]
-                j = copies.get(op.name, 0)
-                copies[op.name] = j + 1
-                again = graph.create_node(op.op, op.target, fx.node.map_arg(op.args, read),
-                                          fx.node.map_arg(op.kwargs, read),
-                                          name=op.name if j == 0 else f"{op.name}_recomputed{j}", type_expr=op.type)
-                again.meta = dict(op.meta)
-                newest[op.name] = again
-            args = fx.node.map_arg(node.args, read)
-            kwargs = fx.node.map_arg(node.kwargs, read)
-            # a second copy gets a name no joint node has (passes after this one match
-            # joint names: the first copy keeps its name)
-            copy = graph.create_node(node.op, node.target, args, kwargs,
-                                     name=name if k == 0 else f"{name}_recomputed{k}", type_expr=node.type)
-            copy.meta = dict(node.meta)
-            newest[name] = copy
+                run(node.args[0])
+            run(node)
     out = bw.graph.output_node()
     graph.output(fx.node.map_arg(out.args[0], lambda n: newest[n.name]), type_expr=out.type)
     bw.graph = graph
@@ -96,16 +88,21 @@ def _other_output_of_untracked_op(node: fx.Node, step_names) -> bool:
     return isinstance(op, fx.Node) and op.op == "call_function" and op.name not in step_names
 
 
-def _copy_untracked(graph: fx.Graph, node: fx.Node, newest: dict[str, fx.Node], read) -> None:
-    """A joint node no problem node stands for (a size computation): copied just before
-    its first reader. A tensor value must come from a step or be saved."""
+def _check_untracked(node: fx.Node) -> None:
+    """`node` is read before any step made it: only a joint node no problem node stands for
+    (a size computation) may be; a tensor value must come from a step or be saved."""
     from torch._functorch.partitioners import is_sym_node
 
     if node.op == "placeholder" or not is_sym_node(node):
         raise UnsupportedGraphError(
             f"internal: the schedule reads {node.name!r} ({node.format_node()}) before any step "
             "makes it and it is not saved; please report this model")
+
+
+def _copy(graph: fx.Graph, node: fx.Node, newest: dict[str, fx.Node], read, name: str | None = None) -> None:
+    """Append a copy of joint node `node` to `graph`, reading the newest copies of its
+    inputs; it becomes `node`'s newest copy."""
     copy = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, read),
-                             fx.node.map_arg(node.kwargs, read), name=node.name, type_expr=node.type)
+                             fx.node.map_arg(node.kwargs, read), name=name or node.name, type_expr=node.type)
     copy.meta = dict(node.meta)
     newest[node.name] = copy

@@ -415,9 +415,8 @@ class CanonicalModel:
     def _objective(self) -> None:
         p, s = self.problem, self.scale
         terms = [(round(p.nodes[v].compute_s * s), self.rec[v]) for v in self.data.decision]
-        # what saving costs where the cost model charges it (Node.save_s)
-        terms += [(round(p.nodes[v].save_s * s), self.save[v]) for v in self.data.decision
-                  if p.nodes[v].save_s and v in p.needed_ids]
+        # what saving costs where the cost model charges it (Problem.save_charged)
+        terms += [(round(save_s * s), self.save[v]) for v, save_s in p.save_charged]
         for v, off in self.off.items():  # the exposed part of each copy (Problem.store_s)
             terms += [(round(p.store_s(v) * s), off), (round(p.reload_s(v) * s), self.reload[v])]
         self.model.minimize(sum(c * x for c, x in terms if c))
