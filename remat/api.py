@@ -27,6 +27,8 @@ from remat.shapes import ShapePlan, label_of, planned_shape, refused_shape, shap
 from solvers import SOLVERS, Plan
 
 log = logging.getLogger(__name__)
+OUTPUTS = ("all", "loss")
+"""Values of `plan(..., outputs=...)`."""
 
 
 class Planned(nn.Module):
@@ -37,7 +39,7 @@ class Planned(nn.Module):
 
     def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
                  sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None,
-                 compile: bool = False, cost_model: str | None = None):
+                 compile: bool = False, cost_model: str | None = None, outputs: str = "all"):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
         self._parameters = model._parameters
@@ -57,6 +59,7 @@ class Planned(nn.Module):
         self.offload = offload
         self.compile = compile
         self.cost_model = cost_model
+        self.outputs = outputs
         self.training = model.training
 
     @property
@@ -125,7 +128,7 @@ class Planned(nn.Module):
 
     def _compile(self, signature: FlatSignature, args: Sequence[Any], kwargs: dict[str, Any]):
         started = time.perf_counter()
-        flat = FlatModel(self.model, signature)
+        flat = FlatModel(self.model, signature, loss_only=self.outputs == "loss")
         # A tied weight goes to AOTAutograd once, so its gradients are summed in the plan.
         traced_module = TensorsOnce(flat) if TensorsOnce.has_tied(flat) else flat
         num_params = len(dict(traced_module.named_parameters(remove_duplicate=False))) + len(
@@ -248,6 +251,7 @@ def plan(
     device_speed: DeviceSpeed | None = None,
     compile: bool = False,
     cost_model: str | None = None,
+    outputs: str = "all",
     **options: Any,
 ) -> Planned:
     """Plan `model`'s training step on these example inputs under `budget`.
@@ -292,7 +296,15 @@ def plan(
     `remat.frontend.costs.COST_MODELS`: "eager" (default; each op its own kernel) or
     "compiled" (pointwise ops fused into their consumers cost only the bytes they read;
     for comparing with inductor-compiled training). It changes which plan is chosen,
-    never the memory model or the runtime."""
+    never the memory model or the runtime.
+
+    outputs: "all" (default) returns every output of the model (other than the loss,
+    detached), and plans for them being held until the step ends: the caller may keep
+    them through backward. "loss" returns the loss only (the model's output with None in
+    place of every other tensor, e.g. `out.logits is None`): those tensors die inside the
+    forward, once nothing reads them, as they do when a training loop drops them before
+    backward, and the budget no longer holds room for them (a language model's logits
+    are often the largest single activation)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if solver not in SOLVERS:
@@ -301,12 +313,16 @@ def plan(
     check_offload(offload)
     if cost_model is not None and cost_model not in COST_MODELS:
         raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")
+    if outputs not in OUTPUTS:
+        raise RematError(f"unknown outputs={outputs!r}: use \"all\" (every output returned, held "
+                         "until the step ends) or \"loss\" (the loss only; the rest die in the forward)")
     distributed.check_plannable(model)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
     planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
-                      offload=offload, device_speed=device_speed, compile=compile, cost_model=cost_model)
+                      offload=offload, device_speed=device_speed, compile=compile, cost_model=cost_model,
+                      outputs=outputs)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

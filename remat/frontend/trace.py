@@ -103,12 +103,15 @@ def find_loss(output: Any) -> torch.Tensor:
 
 class FlatModel(nn.Module):
     """The model as a function of flat tensors; outputs flattened, only the loss
-    differentiable (remat plans the backward of the loss; other outputs are detached)."""
+    differentiable (remat plans the backward of the loss; other outputs are detached).
+    `loss_only`: the loss is the only output (`remat.plan(..., outputs="loss")`); the other
+    tensors die inside the step, and `unflatten` gives None in their place."""
 
-    def __init__(self, model: nn.Module, signature: FlatSignature) -> None:
+    def __init__(self, model: nn.Module, signature: FlatSignature, *, loss_only: bool = False) -> None:
         super().__init__()
         self.model = model
         self.signature = signature
+        self.loss_only = loss_only
         self.out_spec: pytree.TreeSpec | None = None
         self.out_positions: tuple[int, ...] = ()
         self.out_constants: tuple[Any, ...] = ()
@@ -119,13 +122,13 @@ class FlatModel(nn.Module):
         loss = find_loss(output)
         leaves, spec = pytree.tree_flatten(output)
         self.out_spec = spec
-        self.out_positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        tensor_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if self.loss_only:
+            tensor_leaves = [next(i for i in tensor_leaves if leaves[i] is loss)]
+        self.out_positions = tuple(tensor_leaves)
+        # a tensor output not returned comes back as None
         self.out_constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-        flat = []
-        for i in self.out_positions:
-            x = leaves[i]
-            flat.append(x if x is loss else x.detach())
-        return tuple(flat)
+        return tuple(leaves[i] if leaves[i] is loss else leaves[i].detach() for i in self.out_positions)
 
     def unflatten(self, flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(self.out_constants)

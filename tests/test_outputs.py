@@ -1,0 +1,80 @@
+"""`remat.plan(..., outputs="loss")`: the loss is the only output, so the other tensors
+(a language model's logits) die inside the forward instead of being held for the caller
+until the step ends, and the plan has that much more room."""
+
+import pytest
+import torch
+
+import remat
+from remat import zoo
+from remat.errors import RematError
+from remat.measure import measure_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(module, case):
+    torch.manual_seed(1)
+    out = module(*case.args, **case.kwargs)  # held until the step ends, as a caller may
+    out.loss.backward()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    case = zoo.build("gpt2", size="tiny")
+    logits = _step(case.model, case).logits
+    grads = _grads(case.model)
+    case.model.zero_grad(set_to_none=True)
+    return case, logits.numel() * logits.element_size(), grads
+
+
+def test_loss_only_returns_none_for_the_rest_and_frees_their_bytes(gpt2):
+    case, logits_bytes, eager_grads = gpt2
+    model, register = case.model, (case.model, *case.args, *case.kwargs.values())
+    kept = remat.plan(model, case.args, dict(case.kwargs), budget="50%", solver="greedy")
+    dropped = remat.plan(model, case.args, dict(case.kwargs), budget="50%", solver="greedy", outputs="loss")
+    # with the logits held until the step ends the no-remat peak holds them; without, not
+    assert kept.baseline_peak_bytes - dropped.baseline_peak_bytes == logits_bytes
+    assert dropped.budget_bytes == dropped.baseline_peak_bytes // 2
+
+    out = _step(dropped, case)
+    assert out.logits is None and out.loss is not None and type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert all(torch.equal(g, eager_grads[n]) for n, g in _grads(model).items())
+    model.zero_grad(set_to_none=True)
+    measured = measure_step(lambda: _step(dropped, case).loss, register=register).peak_bytes
+    assert measured == dropped.predicted_peak_bytes <= dropped.budget_bytes
+    model.zero_grad(set_to_none=True)
+
+
+def test_an_unknown_outputs_value_is_refused_before_tracing():
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(RematError, match='outputs=.logits.*"all".*"loss"'):
+        remat.plan(model, (torch.randn(2, 4),), budget="50%", outputs="logits")
+
+
+def test_loss_only_under_inductor():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.b(torch.tanh(self.a(x)))
+            return {"loss": h.pow(2).mean(), "hidden": h}
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(32, 16)
+    model(x)["loss"].backward()
+    eager = _grads(model)
+    model.zero_grad(set_to_none=True)
+    planned = remat.plan(model, (x,), budget="100%", compile=True, outputs="loss")
+    out = planned(x)
+    out["loss"].backward()
+    assert out["hidden"] is None
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, eager[n])
