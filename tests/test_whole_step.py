@@ -126,6 +126,21 @@ def test_a_known_step_runs_no_simulation(run, monkeypatch):
     assert len(be.steps) == planned and simulated == []
 
 
+def test_the_ledger_forgets_dead_storages(run):
+    """What a step leaves (its activations, saved for backward) dies with it: the ledger
+    drops it at the next step's first call, so it holds as many storages after every
+    step, and measures the same bytes outside each call."""
+    model, _, x, be, compiled, *_ = run
+    ledger = be.ledger
+    held, outside = [], []
+    for _ in range(3):
+        _step(compiled, model, x)
+        held.append(len(ledger._tracked.bytes))
+        outside.append([c.outside_bytes for c in ledger.current])
+    assert held[0] == held[1] == held[2] > 0
+    assert outside[0] == outside[1] == outside[2]
+
+
 def test_a_budget_no_split_fits_is_refused_as_the_first_step_ends():
     torch._dynamo.reset()
     model = Broken(layers=2)

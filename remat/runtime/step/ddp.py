@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from remat.runtime.step.storages import key
 
 
 class DdpState:
@@ -36,7 +37,7 @@ class DdpState:
         group is up: DDP needs one)."""
         if self._looked or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
-        keys = {StorageWeakRef(a.untyped_storage()) for a in args if isinstance(a, torch.nn.Parameter)}
+        keys = {key(a) for a in args if isinstance(a, torch.nn.Parameter)}
         if not keys:
             return
         self._looked = True
@@ -45,10 +46,10 @@ class DdpState:
         for obj in gc.get_objects():
             # type(), not isinstance: a dead weak proxy among the objects raises on __class__
             if issubclass(type(obj), DistributedDataParallel) and any(
-                    StorageWeakRef(p.untyped_storage()) in keys for p in obj.module.parameters()):
+                    key(p) in keys for p in obj.module.parameters()):
                 self._modules.append(weakref.ref(obj))
 
-    def grads_in_buckets(self) -> frozenset:
+    def grads_in_buckets(self) -> frozenset[int]:
         """Storage keys of the parameters whose gradients are views of their DDP module's
         buckets (`gradient_as_bucket_view=True`): counted in `bucket_bytes`, not again
         as gradients."""
@@ -56,7 +57,7 @@ class DdpState:
         for ref in self._modules:
             module = ref()
             if module is not None and module.gradient_as_bucket_view:
-                keys |= {StorageWeakRef(p.untyped_storage()) for p in module.module.parameters() if p.requires_grad}
+                keys |= {key(p) for p in module.module.parameters() if p.requires_grad}
         return frozenset(keys)
 
     def bucket_bytes(self) -> int:

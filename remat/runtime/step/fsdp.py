@@ -46,13 +46,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from remat.runtime.step.storages import key as _key
 
 _FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
-
-
-def _key(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +73,8 @@ class FsdpState:
             return
         from torch.distributed._composable_state import _module_state_mapping
 
+        if not _module_state_mapping:  # loaded (torch.compile imports it) but no model sharded
+            return
         keys = {_key(a) for a in args if isinstance(a, torch.nn.Parameter)}
         if not keys:
             return
@@ -98,9 +97,9 @@ class FsdpState:
                 for group in state._fsdp_param_groups:
                     yield state, group
 
-    def live(self) -> dict[StorageWeakRef, int]:
+    def live(self) -> dict[int, int]:
         """The storages FSDP2 holds now, at their size now."""
-        out: dict[StorageWeakRef, int] = {}
+        out: dict[int, int] = {}
 
         def add(t: torch.Tensor | None) -> None:
             if isinstance(t, torch.Tensor):
@@ -179,14 +178,14 @@ class FsdpState:
                 held[_key(out)] = out.untyped_storage().nbytes()
         return sum(held.values())
 
-    def transient_grads(self) -> frozenset[StorageWeakRef]:
+    def transient_grads(self) -> frozenset[int]:
         """Unsharded parameters whose gradients FSDP2 may free right after their group's
         backward (reduce-scattered): every group's but the root's (the ledger keeps those
         of graph calls fed by an input that requires grad)."""
         return frozenset(_key(p._unsharded_param) for state, group in self._groups()
                          if not state._is_root for p in group.fsdp_params if hasattr(p, "_unsharded_param"))
 
-    def unsharded(self) -> frozenset[StorageWeakRef]:
+    def unsharded(self) -> frozenset[int]:
         """Every unsharded parameter's storage (counted by `live` at its size now)."""
         return frozenset(_key(p._unsharded_param) for _, group in self._groups()
                          for p in group.fsdp_params if hasattr(p, "_unsharded_param"))

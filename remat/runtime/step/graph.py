@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses import FakeTensor
 
 from remat.budget import format_bytes
 from remat.errors import InfeasibleBudgetError
@@ -39,7 +40,7 @@ class LedgeredGraph:
         """Plan the first variant at compile time; returns what dynamo should call.
         Fake example inputs (DDPOptimizer compiles its buckets on fake tensors) cannot be
         measured: that plan is a guess that the first real call corrects."""
-        fake = any(isinstance(a, torch._subclasses.FakeTensor) for a in example_inputs)
+        fake = any(isinstance(a, FakeTensor) for a in example_inputs)
         outside, pending = 0, ()
         if not fake:
             seen = self.ledger.begin(example_inputs)
@@ -53,7 +54,7 @@ class LedgeredGraph:
         # boxed (one list, which the callee may clear) or not: dynamo calls either way
         boxed = len(call_args) == 1 and isinstance(call_args[0], list)
         args = call_args[0] if boxed else call_args
-        if any(isinstance(a, torch._subclasses.FakeTensor) for a in args):
+        if any(isinstance(a, FakeTensor) for a in args):
             # DDPOptimizer runs each compiled bucket once on fake tensors at compile time
             # (for its output strides): no memory, nothing for the ledger
             return self.variants[0][0](*call_args)

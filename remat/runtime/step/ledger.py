@@ -46,11 +46,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
-from remat.runtime.step import split
+from remat.runtime.step import split, storages
 from remat.runtime.step.ddp import DdpState
 from remat.runtime.step.fsdp import FsdpState
 
@@ -78,11 +77,11 @@ class Call:
     """Its plan's predicted live bytes between forward and backward."""
     no_remat_gap_bytes: int
     """What its no-remat plan would hold beyond its plan (predicted)."""
-    params: frozenset = frozenset()
-    """Storages of its parameter arguments that require grad."""
-    with_grad: frozenset = frozenset()
+    params: frozenset[int] = frozenset()
+    """Storages (`runtime.step.storages.key`) of its parameter arguments that require grad."""
+    with_grad: frozenset[int] = frozenset()
     """Storages of the parameters (any call's) that had a gradient when it started."""
-    counted: frozenset = frozenset()
+    counted: frozenset[int] = frozenset()
     """Storages of the parameters counted in `outside_bytes` (those seen by then)."""
 
     @property
@@ -101,9 +100,9 @@ class Seen:
 
     outside_bytes: int
     pending: tuple[int, ...]
-    params: frozenset
-    with_grad: frozenset
-    counted: frozenset
+    params: frozenset[int]
+    with_grad: frozenset[int]
+    counted: frozenset[int]
 
 
 class StepLedger:
@@ -129,11 +128,17 @@ class StepLedger:
         """The split's predicted whole-step peak (of the floors when nothing fits)."""
         self.graphs: dict[int, list[Any]] = {}
         """Captured graph -> the PlannedSteps made for it (the first: its problem, baseline)."""
-        self._tracked: dict[StorageWeakRef, int] = {}
-        self._params: dict[StorageWeakRef, tuple[weakref.ref, int]] = {}
-        self._param_bytes: dict[StorageWeakRef, int] = {}
-        self._pending: list[tuple[int, list[bool]]] = []  # (position, backward done?)
-        self._fed_by_grad: set[StorageWeakRef] = set()
+        # storages are keyed by `storages.key`, an int; every key kept beyond a call is
+        # held in a `storages.Watched`, so that no new storage takes its address
+        self._tracked = storages.Watched()
+        """Non-parameter storages seen (and their bytes), until found dead."""
+        self._params: dict[int, weakref.ref] = {}
+        """Parameter storages -> the parameter, until either dies."""
+        self._param_storages = storages.Watched()
+        """Every parameter storage ever seen and its bytes when last seen (never dropped)."""
+        self._param_bytes = self._param_storages.bytes
+        self._pending: list[tuple[int, list[bool], Any]] = []  # (position, backward done?, watch)
+        self._fed_by_grad: set[int] = set()
         """Parameters of graph calls that took a non-parameter argument requiring grad."""
         self.fsdp = FsdpState()
         """FSDP2's sharded state and buffers, outside every graph (`runtime.step.fsdp`)."""
@@ -152,26 +157,36 @@ class StepLedger:
             self._close_step()
         self.fsdp.discover(args)
         self.ddp.discover(args)
-        mine, params = set(), set()
+        mine, params, fed_by_grad = set(), set(), False
         for a in args:
             if isinstance(a, torch.Tensor):
-                key = StorageWeakRef(a.untyped_storage())
+                storage = a.untyped_storage()
+                key = storage._cdata  # storages.key, inlined: once per argument per call
                 mine.add(key)
                 if isinstance(a, nn.Parameter):
-                    self._params[key] = (weakref.ref(a), a.untyped_storage().nbytes())
-                    self._param_bytes[key] = a.untyped_storage().nbytes()
+                    self._see_param(a, storage, key)
                     if a.requires_grad:
                         params.add(key)
-        if any(isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a.requires_grad
-               for a in args):
+                elif a.requires_grad:
+                    fed_by_grad = True
+        if fed_by_grad:
             self._fed_by_grad |= params
         outside, with_grad = self._live_bytes(exclude=mine)
         if self.fsdp.found:
             outside += self.fsdp.transient_bytes(frozenset().union(*(c.params for c in self.current)))
         outside += self.ddp.bucket_bytes()
-        return Seen(outside_bytes=outside, pending=tuple(position for position, _ in self._pending),
+        return Seen(outside_bytes=outside, pending=tuple(p[0] for p in self._pending),
                     params=frozenset(params), with_grad=with_grad,
-                    counted=frozenset(k for k in self._params if k not in mine))
+                    counted=frozenset(self._params.keys() - mine))
+
+    def _see_param(self, param: nn.Parameter, storage: torch.UntypedStorage, key: int) -> None:
+        ref = self._params.get(key)
+        if ref is None or ref() is not param:
+            self._params[key] = weakref.ref(param)
+        if key in self._param_bytes:
+            self._param_bytes[key] = storage.nbytes()
+        else:
+            self._param_storages.watch(storage, storage.nbytes())
 
     def future_grad_bytes(self, position: int) -> int:
         """Gradients that appear while the call at `position` of a known step runs:
@@ -201,20 +216,14 @@ class StepLedger:
     def record(self, call: Call, outputs: Any) -> Call:
         """The call ran: track its outputs and what its autograd node saved; returns
         the call with its measured held bytes."""
-        node = None
-        for out in _tensors(outputs):
-            self._track(out)
-            if node is None and out.grad_fn is not None:
-                node = out.grad_fn
+        outputs = _tensors(outputs)
+        self._track(outputs)
+        node = next((out.grad_fn for out in outputs if out.grad_fn is not None), None)
         held = 0
         if node is not None:
-            seen = set()
-            for saved in getattr(node, "saved_tensors", ()) or ():
-                if isinstance(saved, torch.Tensor):
-                    key = self._track(saved)
-                    if key is not None and key not in seen:
-                        seen.add(key)
-                        held += self._tracked[key]
+            saved = [t for t in getattr(node, "saved_tensors", ()) or () if isinstance(t, torch.Tensor)]
+            tracked = self._tracked.bytes
+            held = sum(tracked[key] for key in self._track(saved))
             self._wait_for_backward(node, len(self.current))
         call = dataclasses.replace(call, held_bytes=held)
         self.current.append(call)
@@ -222,7 +231,6 @@ class StepLedger:
 
     def _wait_for_backward(self, node: Any, position: int) -> None:
         done = [False]
-        self._pending.append((position, done))
 
         def finished(*_: Any) -> None:
             done[0] = True
@@ -238,10 +246,11 @@ class StepLedger:
                     raise self.refusal()
 
         node.register_hook(backward_ran)
-        try:
-            weakref.finalize(node, finished)  # a graph dropped without a backward
+        try:  # a graph dropped without a backward (held by the entry: while it waits)
+            dropped = weakref.ref(node, finished)
         except TypeError:  # pragma: no cover - nodes that take no weak references
-            pass
+            dropped = None
+        self._pending.append((position, done, dropped))
 
     def _close_step(self) -> None:
         self.last_step = tuple(self.current)
@@ -255,7 +264,7 @@ class StepLedger:
         """Parameters live during a first-step call that it could not count: those of
         graphs that had not run yet (the second step's measurement counts them)."""
         unseen = set(self._params) - call.counted - call.params - self.fsdp.unsharded()
-        return sum(self._param_bytes.get(k, 0) for k in unseen if not k.expired())
+        return sum(self._param_bytes.get(k, 0) for k in unseen if self._param_storages.alive(k))
 
     def _split(self) -> None:
         records = [c.record(self.future_grad_bytes(i) + self._unseen_param_bytes(c))
@@ -322,33 +331,43 @@ class StepLedger:
                   for i, c in enumerate(calls)]
         return "\n".join(lines)
 
-    def _track(self, t: torch.Tensor) -> StorageWeakRef | None:
-        key = StorageWeakRef(t.untyped_storage())
-        if key in self._params:
-            return None
-        self._tracked[key] = t.untyped_storage().nbytes()
-        return key
+    def _track(self, tensors: Sequence[torch.Tensor]) -> set[int]:
+        """Track the storages of `tensors` at their size now; returns their keys, but
+        parameters'. (Some 100 tensors a call: one loop, no call per tensor.)"""
+        params, tracked, watch = self._params, self._tracked.bytes, self._tracked.watch
+        keys = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in params:
+                continue
+            if key in tracked:
+                tracked[key] = storage.nbytes()
+            else:  # a new storage: watch it for death
+                watch(storage, storage.nbytes())
+            keys.add(key)
+        return keys
 
-    def _live_bytes(self, *, exclude: set[StorageWeakRef]) -> tuple[int, frozenset]:
+    def _live_bytes(self, *, exclude: set[int]) -> tuple[int, frozenset[int]]:
         """Bytes of the live storages seen, but those in `exclude`, each once; and the
         parameters that have a gradient now."""
-        for key in [k for k in self._tracked if k.expired()]:
-            del self._tracked[key]
-        for key in [k for k, (ref, _) in self._params.items() if ref() is None or k.expired()]:
-            del self._params[key]
-        counted = {k: n for k, n in self._tracked.items() if k not in exclude and k not in self._params}
+        self._tracked.drop_dead()
+        params, alive = self._params, self._param_storages.alive
+        for key in [k for k, ref in params.items() if ref() is None or not alive(k)]:
+            del params[key]
+        counted = {k: n for k, n in self._tracked.bytes.items() if k not in exclude and k not in params}
         # a parameter's storage at its size now: FSDP2 frees an unsharded parameter's
         # storage (resizes it to 0) between its all-gathers
-        counted.update((k, ref().untyped_storage().nbytes()) for k, (ref, _) in self._params.items()
-                       if k not in exclude)
+        counted.update((k, ref().untyped_storage().nbytes()) for k, ref in params.items() if k not in exclude)
         with_grad = set()
         in_buckets = self.ddp.grads_in_buckets()  # views of DDP's buckets, counted as buckets
-        for key, (ref, _) in self._params.items():
+        for key, ref in params.items():
             grad = getattr(ref(), "grad", None)
             if grad is not None:
                 with_grad.add(key)
                 if key not in in_buckets:
-                    counted[StorageWeakRef(grad.untyped_storage())] = grad.untyped_storage().nbytes()
+                    storage = grad.untyped_storage()
+                    counted[storage._cdata] = storage.nbytes()
         # FSDP2's sharded parameters and gradients, unsharded parameters and buffers
         counted.update((k, n) for k, n in self.fsdp.live().items() if k not in exclude)
         return sum(counted.values()), frozenset(with_grad)
