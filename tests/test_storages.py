@@ -27,12 +27,9 @@ def test_watched_keeps_a_dead_storage_key_until_dropped():
 
 
 def test_a_watched_key_is_never_taken_by_a_new_storage():
-    """Without a weak reference the allocator hands a dead storage's address to a new
-    one (the hazard of bare int keys); while watched, it cannot."""
-    t = torch.empty(16)
-    k = key(t)
-    del t
-    assert any(key(torch.empty(16)) == k for _ in range(100))
+    """Without a weak reference the allocator may hand a dead storage's address to the
+    next storage (seen in a fresh process: the first one made after takes it; not
+    asserted, it depends on the allocator's state); while watched, it cannot."""
     watched = Watched()
     t = torch.empty(16)
     k = watched.watch(t.untyped_storage(), 64)

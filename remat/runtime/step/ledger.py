@@ -158,13 +158,20 @@ class StepLedger:
         self.fsdp.discover(args)
         self.ddp.discover(args)
         mine, params, fed_by_grad = set(), set(), False
-        for a in args:
+        known, param_bytes = self._params, self._param_bytes
+        for a in args:  # some 20-200 arguments a call: inlined, no call per argument
             if isinstance(a, torch.Tensor):
                 storage = a.untyped_storage()
-                key = storage._cdata  # storages.key, inlined: once per argument per call
+                key = storage._cdata  # storages.key
                 mine.add(key)
                 if isinstance(a, nn.Parameter):
-                    self._see_param(a, storage, key)
+                    ref = known.get(key)
+                    if ref is None or ref() is not a:
+                        known[key] = weakref.ref(a)
+                    if key in param_bytes:
+                        param_bytes[key] = storage.nbytes()
+                    else:
+                        self._param_storages.watch(storage, storage.nbytes())
                     if a.requires_grad:
                         params.add(key)
                 elif a.requires_grad:
@@ -178,15 +185,6 @@ class StepLedger:
         return Seen(outside_bytes=outside, pending=tuple(p[0] for p in self._pending),
                     params=frozenset(params), with_grad=with_grad,
                     counted=frozenset(self._params.keys() - mine))
-
-    def _see_param(self, param: nn.Parameter, storage: torch.UntypedStorage, key: int) -> None:
-        ref = self._params.get(key)
-        if ref is None or ref() is not param:
-            self._params[key] = weakref.ref(param)
-        if key in self._param_bytes:
-            self._param_bytes[key] = storage.nbytes()
-        else:
-            self._param_storages.watch(storage, storage.nbytes())
 
     def future_grad_bytes(self, position: int) -> int:
         """Gradients that appear while the call at `position` of a known step runs:
@@ -353,16 +351,18 @@ class StepLedger:
         parameters that have a gradient now."""
         self._tracked.drop_dead()
         params, alive = self._params, self._param_storages.alive
-        for key in [k for k, ref in params.items() if ref() is None or not alive(k)]:
-            del params[key]
+        live = [(k, p) for k, p in ((k, ref()) for k, ref in params.items()) if p is not None and alive(k)]
+        if len(live) < len(params):
+            self._params = params = {k: params[k] for k, _ in live}
         counted = {k: n for k, n in self._tracked.bytes.items() if k not in exclude and k not in params}
-        # a parameter's storage at its size now: FSDP2 frees an unsharded parameter's
-        # storage (resizes it to 0) between its all-gathers
-        counted.update((k, ref().untyped_storage().nbytes()) for k, ref in params.items() if k not in exclude)
         with_grad = set()
         in_buckets = self.ddp.grads_in_buckets()  # views of DDP's buckets, counted as buckets
-        for key, ref in params.items():
-            grad = getattr(ref(), "grad", None)
+        for key, param in live:  # every key's bytes are its size now: the order is free
+            # a parameter's storage at its size now: FSDP2 frees an unsharded parameter's
+            # storage (resizes it to 0) between its all-gathers
+            if key not in exclude:
+                counted[key] = param.untyped_storage().nbytes()
+            grad = param.grad
             if grad is not None:
                 with_grad.add(key)
                 if key not in in_buckets:
