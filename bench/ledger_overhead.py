@@ -101,7 +101,7 @@ def ledger_facts(ledger: StepLedger) -> dict[str, Any]:
                  "boundary": c.boundary_bytes, "params": len(c.params), "with_grad": len(c.with_grad),
                  "counted": len(c.counted)} for c in step]
 
-    return {"steps": ledger.steps, "budget_bytes": ledger.budget_bytes,
+    return {"budget_bytes": ledger.budget_bytes,
             "no_remat_step_bytes": ledger.no_remat_step_bytes, "predicted_step_bytes": ledger.predicted_step_bytes,
             "first_step": calls(ledger.first_step), "last_step": calls(ledger.last_step)}
 

@@ -63,14 +63,14 @@ class LedgeredGraph:
         outside = seen.outside_bytes + (self.ledger.future_grad_bytes(len(self.ledger.current))
                                         if self.ledger.knows_the_step else 0)
         (compiled, step), share = self._choose(args, outside, seen.pending)
-        boundary = self._boundary(step)
-        call = Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
-                    peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
-                    held_bytes=0, boundary_bytes=boundary,
-                    no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
-                    params=seen.params, with_grad=seen.with_grad, counted=seen.counted)
         out = compiled(*call_args)
-        self.ledger.record(call, out)
+        held = self.ledger.record(out)
+        boundary = self._boundary(step)
+        self.ledger.add(Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
+                             peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
+                             held_bytes=held, boundary_bytes=boundary,
+                             no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
+                             params=seen.params, with_grad=seen.with_grad, counted=seen.counted))
         return out
 
     def __getattr__(self, name: str) -> Any:

@@ -211,9 +211,9 @@ class StepLedger:
                    + sum(self.current[i].no_remat_gap_bytes for i in c.pending) for c in self.current]
         return resolve_budget(self.budget, max(running + [outside + held_gap + baseline])) - outside
 
-    def record(self, call: Call, outputs: Any) -> Call:
-        """The call ran: track its outputs and what its autograd node saved; returns
-        the call with its measured held bytes."""
+    def record(self, outputs: Any) -> int:
+        """The call ran: track its outputs and what its autograd node saved (the held
+        bytes, returned), and wait for its backward; `add` its `Call` next."""
         outputs = _tensors(outputs)
         self._track(outputs)
         node = next((out.grad_fn for out in outputs if out.grad_fn is not None), None)
@@ -223,9 +223,11 @@ class StepLedger:
             tracked = self._tracked.bytes
             held = sum(tracked[key] for key in self._track(saved))
             self._wait_for_backward(node, len(self.current))
-        call = dataclasses.replace(call, held_bytes=held)
+        return held
+
+    def add(self, call: Call) -> None:
+        """The call `record`ed last (built after it: its held bytes are measured then)."""
         self.current.append(call)
-        return call
 
     def _wait_for_backward(self, node: Any, position: int) -> None:
         done = [False]
