@@ -10,9 +10,12 @@ add about 0.1 µs each) and the step time of remat+inductor against plain torch.
 It also prints the ledger's byte counts after the timed steps (budget, no-remat and
 predicted step peaks, each call's outside/held/peak bytes): a change that makes the
 ledger faster must leave them identical. `--save FILE` writes them, `--check FILE`
-fails when they differ from a saved run.
+fails when they differ from a saved run. `--count-calls` counts the Python and C function
+calls each entry point makes instead of timing it: a deterministic measure of its work,
+which the load of a shared machine does not move.
 
     HF_HUB_OFFLINE=1 python bench/ledger_overhead.py --models llama,gpt2 --steps 40
+    HF_HUB_OFFLINE=1 python bench/ledger_overhead.py --steps 5 --count-calls
 """
 
 from __future__ import annotations
@@ -40,11 +43,19 @@ from remat.runtime.step.ledger import StepLedger  # noqa: E402
 ENTRY_POINTS = ("begin", "future_grad_bytes", "record")
 """The ledger's methods `LedgeredGraph.__call__` calls once per graph call."""
 
-_timing = {"on": False}
+_timing = {"on": False, "count": False}
 _spent: dict[str, float] = collections.defaultdict(float)
 _calls: dict[str, int] = collections.defaultdict(int)
 _fastest: dict[str, float] = collections.defaultdict(lambda: float("inf"))
 _graphs: list[LedgeredGraph] = []
+
+
+def _count_calls(frame: Any, event: str, arg: Any) -> None:
+    if event in ("call", "c_call"):
+        _ops["n"] += 1
+
+
+_ops = {"n": 0}
 
 
 def _timed(name: str, fn: Any) -> Any:
@@ -52,6 +63,15 @@ def _timed(name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _timing["on"]:
             return fn(*args, **kwargs)
+        if _timing["count"] and name in ENTRY_POINTS:  # function calls made inside, not time
+            _ops["n"] = 0
+            sys.setprofile(_count_calls)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.setprofile(None)
+                _spent[name] += _ops["n"]
+                _calls[name] += 1
         started = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -132,6 +152,7 @@ def run(name: str, size: str, steps: int, warmup: int) -> tuple[dict[str, Any], 
             _timing["on"] = False
     result = {"model": f"{name} {size}", "graphs": len(_graphs), "calls_per_step": _calls["graph call"] / steps,
               "torch_ms": min(times["torch.compile"]) * 1e3, "remat_ms": min(times["remat+inductor"]) * 1e3,
+              "per_call": {k: _spent[k] / _calls[k] for k in _spent},  # seconds (function calls)
               "per_call_us": {k: _spent[k] / _calls[k] * 1e6 for k in _spent},
               "fastest_call_us": {k: v * 1e6 for k, v in _fastest.items()},
               "per_step_ms": {k: _spent[k] / steps * 1e3 for k in _spent}}
@@ -161,14 +182,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--save", help="write the ledger's byte counts to this JSON file")
     parser.add_argument("--check", help="fail when the ledger's byte counts differ from this JSON file's")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="count the Python and C function calls each entry point makes per call "
+                             "(deterministic; load-independent) instead of timing")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
+    _timing["count"] = opts.count_calls
     _instrument()
     results, facts = [], {}
     for name in opts.models.split(","):
         result, facts[name] = run(name, opts.size, opts.steps, opts.warmup)
         results.append(result)
-    print(table(results))
+    if opts.count_calls:
+        for r in results:
+            print(f"{r['model']}: function calls per graph call: "
+                  + ", ".join(f"{k} {r['per_call'].get(k, 0):.0f}" for k in ENTRY_POINTS))
+    else:
+        print(table(results))
     for name, f in facts.items():
         print(f"{name}: budget {f['budget_bytes']} B, no-remat step {f['no_remat_step_bytes']} B, "
               f"predicted step {f['predicted_step_bytes']} B, calls {[c['outside'] for c in f['last_step']]} B outside")
