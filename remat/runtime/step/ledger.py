@@ -221,7 +221,7 @@ class StepLedger:
         if node is not None:
             saved = [t for t in getattr(node, "saved_tensors", ()) or () if isinstance(t, torch.Tensor)]
             tracked = self._tracked.bytes
-            held = sum(tracked[key] for key in self._track(saved))
+            held = sum(map(tracked.__getitem__, self._track(saved)))
             self._wait_for_backward(node, len(self.current))
         return held
 
@@ -334,7 +334,7 @@ class StepLedger:
     def _track(self, tensors: Sequence[torch.Tensor]) -> set[int]:
         """Track the storages of `tensors` at their size now; returns their keys, but
         parameters'. (Some 100 tensors a call: one loop, no call per tensor.)"""
-        params, tracked, watch = self._params, self._tracked.bytes, self._tracked.watch
+        params, tracked = self._params, self._tracked.bytes
         keys = set()
         for t in tensors:
             storage = t.untyped_storage()
@@ -344,7 +344,7 @@ class StepLedger:
             if key in tracked:
                 tracked[key] = storage.nbytes()
             else:  # a new storage: watch it for death
-                watch(storage, storage.nbytes())
+                tracked[storage._weak_ref()] = storage.nbytes()  # Watched.watch, inlined
             keys.add(key)
         return keys
 
@@ -352,8 +352,12 @@ class StepLedger:
         """Bytes of the live storages seen, but those in `exclude`, each once; and the
         parameters that have a gradient now."""
         self._tracked.drop_dead()
-        params, alive = self._params, self._param_storages.alive
-        live = [(k, p) for k, p in ((k, ref()) for k, ref in params.items()) if p is not None and alive(k)]
+        params, expired = self._params, storages.expired
+        live = []
+        for key, ref in params.items():
+            param = ref()
+            if param is not None and not expired(key):
+                live.append((key, param))
         if len(live) < len(params):
             self._params = params = {k: params[k] for k, _ in live}
         counted = {k: n for k, n in self._tracked.bytes.items() if k not in exclude and k not in params}

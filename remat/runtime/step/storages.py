@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-_expired = torch.UntypedStorage._expired
+expired = torch.UntypedStorage._expired
+"""expired(key) -> bool: whether a held key's storage died (a C call, no Python frame)."""
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 
 
@@ -42,16 +43,16 @@ class Watched:
     def watch(self, storage: torch.UntypedStorage, nbytes: int) -> int:
         """Hold `storage` (not held yet) with `nbytes`; returns its key."""
         handle = storage._weak_ref()  # == storage._cdata: one weak reference more
-        self.bytes[handle] = nbytes
+        self.bytes[handle] = nbytes  # (the ledger inlines this in its loops)
         return handle
 
     def alive(self, handle: int) -> bool:
-        return not _expired(handle)
+        return not expired(handle)
 
     def drop_dead(self) -> None:
         """Drop (and release) the storages that died."""
         held = self.bytes
-        for handle in [k for k in held if _expired(k)]:
+        for handle in [k for k in held if expired(k)]:
             del held[handle]
             _free_weak_ref(handle)
 
