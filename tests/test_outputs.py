@@ -97,13 +97,13 @@ class _Wide(torch.nn.Module):
         return {"loss": hidden.sum(), "hidden": hidden}
 
 
-def _compiled(outputs):
+def _compiled(outputs, whole_step=True):
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = _Wide(), torch.randn(64, 64)
-    be = remat.backend(budget="100%", compiler="eager", outputs=outputs)
+    be = remat.backend(budget="100%", compiler="eager", outputs=outputs, whole_step=whole_step)
     return model, x, be, torch.compile(model, backend=be)
 
 
@@ -133,10 +133,11 @@ def test_backend_loss_only_holds_the_other_outputs_to_the_forward_end_only():
     assert measured.peak_bytes <= be.ledger.predicted_step_bytes <= be.ledger.budget_bytes
 
 
-def test_backend_loss_only_refuses_a_step_that_holds_an_output_at_backward():
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_backend_loss_only_refuses_a_step_that_holds_an_output_at_backward(whole_step):
     from remat.runtime.dropped import DroppedOutputHeldError
 
-    model, x, be, compiled = _compiled("loss")
+    model, x, be, compiled = _compiled("loss", whole_step)
     out = compiled(x)  # held through backward: the plan did not count it
     with pytest.raises(DroppedOutputHeldError, match=r"output 1 \(torch.float32 \[64, 256\], 0.06 MiB \(65536 B\)\) is still held"):
         out["loss"].backward()

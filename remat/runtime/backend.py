@@ -155,7 +155,7 @@ class RematBackend:
         if step is not None:
             self.steps.append(step)
         if self.outputs == "loss" and step is not None:
-            compiled = _watching(compiled, self._graphs)
+            compiled = _Watching(compiled, self._graphs)
             self._graphs += 1
         return compiled
 
@@ -343,17 +343,25 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: s
     return _partitioner_class()(partitioner, uuid, fusion)
 
 
-def _watching(compiled: Callable[..., Any], graph: int) -> Callable[..., Any]:
-    """`compiled`, checking at backward that the outputs declared dropped are gone."""
-    from remat.runtime import dropped
+class _Watching:
+    """A compiled graph that checks at backward that the outputs declared dropped are
+    gone (`remat.runtime.dropped`); what else dynamo reads of it is the graph's own."""
 
-    def run(*args: Any) -> Any:
-        out = compiled(*args)
-        dropped.watch(out, graph)
+    def __init__(self, compiled: Callable[..., Any], graph: int) -> None:
+        self.compiled = compiled
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        from remat.runtime import dropped
+
+        out = self.compiled(*args)
+        dropped.watch(out, self.graph)
         return out
 
-    run._boxed_call = getattr(compiled, "_boxed_call", False)  # dynamo's calling convention
-    return run
+    def __getattr__(self, name: str) -> Any:  # _boxed_call (dynamo's calling convention), ...
+        if name.startswith("__") or "compiled" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:
