@@ -58,6 +58,7 @@ from collections.abc import Mapping
 
 from ortools.sat.python import cp_model
 
+from solvers import greedy
 from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish, hint_decisions
 from solvers.ilp.model import CanonicalModel
 from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
@@ -124,7 +125,7 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
     reserve_s = opts.least_peak_share * max(0.0, clock.left_s) if incumbent is None else 0.0
     rows_until = clock.spent_s + opts.rows_share * max(0.0, clock.left_s - reserve_s)
     model = CanonicalModel(problem, cumulative=False)
-    bound_s, exact = _generate_rows(model, opts, clock, rows_until, incumbent)
+    bound_s, exact, incumbent = _generate_rows(model, opts, clock, rows_until, incumbent)
     if exact is not None:  # the relaxation's optimum fits: it is optimal
         if incumbent is not None and incumbent[0] < bound_s:  # equal up to cost rounding: keep the warm start
             exact, bound_s = incumbent[1], incumbent[0]
@@ -174,7 +175,11 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, unt
     every plan, so each optimum is a lower bound; one that fits is an optimal plan.
     `rows` is a model built without the cumulative; the main loop then adds it, so the
     strengthened rows stay in the full model. It runs until `clock` has spent `until_s`.
-    Returns (bound_s, that plan or None)."""
+    An optimum that overflows is also repaired into a fitting plan (`greedy.repair`),
+    which replaces `incumbent` (cost, decisions) when cheaper: at tight budgets that is
+    far better than what the main search finds in the same time (GPT-2 bench at 83.31
+    MiB, compiled-traffic, 10 s: 9.28e-3 s against 1.278e-2).
+    Returns (bound_s, that plan or None, incumbent)."""
     bound_s = 0.0
     problem, d = rows.problem, rows.data
     while (remaining := until_s - clock.spent_s) > 0:
@@ -192,7 +197,11 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, unt
         if ev is None:
             break
         if ev.fits:
-            return ev.cost_s, decisions
+            return ev.cost_s, decisions, incumbent
+        fixed = greedy.repair(problem, decisions, clock)
+        repaired = _simulate(problem, fixed, clock)
+        if repaired is not None and repaired.fits and (incumbent is None or repaired.cost_s < incumbent[0]):
+            incumbent = (repaired.cost_s, fixed)
         over = sorted(((ev.timeline[k] - problem.budget_bytes, d.step[st.node_id])
                        for k, st in enumerate(ev.steps)
                        if ev.timeline[k] > problem.budget_bytes and st.kind in _NODE_STEPS), reverse=True)
@@ -201,7 +210,7 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, unt
             break
         for t in new:
             rows.strengthen(t)
-    return bound_s, None
+    return bound_s, None, incumbent
 
 
 def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: dict[int, Decision]):
