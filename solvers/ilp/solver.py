@@ -178,7 +178,7 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, unt
     An optimum that overflows is also repaired into a fitting plan (`greedy.repair`),
     which replaces `incumbent` (cost, decisions) when cheaper: at tight budgets that is
     far better than what the main search finds in the same time (GPT-2 bench at 83.31
-    MiB, compiled-traffic, 10 s: 9.28e-3 s against 1.278e-2).
+    MiB, compiled-traffic, 10 s: 9.57e-3 s against 1.278e-2).
     Returns (bound_s, that plan or None, incumbent)."""
     bound_s = 0.0
     problem, d = rows.problem, rows.data
