@@ -39,7 +39,6 @@ FORWARD_END = "remat_forward_end"
 forward's end (see the module docstring)."""
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GraphProblem:
     """A Problem plus the map between problem ids and fx nodes of the joint graph."""
