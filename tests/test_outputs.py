@@ -150,3 +150,23 @@ def test_backend_loss_only_refuses_a_step_that_holds_an_output_at_backward(whole
 def test_backend_refuses_an_unknown_outputs_value():
     with pytest.raises(RematError, match='outputs=.logits.*"all".*"loss"'):
         remat.backend(budget="50%", outputs="logits")
+
+
+def test_backend_loss_only_on_gpt2_keeps_its_layers_and_frees_the_logits(gpt2):
+    """The forward's end node has no fx node: the layer finder leaves it outside every
+    layer, and the logits are its only reader (GPT-2's backward reads the log-softmax)."""
+    import torch._dynamo
+
+    from solvers.structure import OUTSIDE
+
+    case, logits_bytes, _ = gpt2
+    torch._dynamo.reset()
+    case.model.loss_type = "ForCausalLM"  # the default; unset, transformers warns: a graph break
+    be = remat.backend(budget="100%", compiler="eager", outputs="loss")
+    torch.compile(case.model, backend=be)(*case.args, **case.kwargs).loss.backward()
+    (step,) = be.steps
+    problem, names = step.graph_problem.problem, step.graph_problem.value_name
+    end = names.index(FORWARD_END)
+    assert problem.layers is not None and problem.layers.layer_of[end] == OUTSIDE
+    assert sum(problem.nodes[i].out_bytes for i in problem.nodes[end].inputs) == logits_bytes
+    case.model.zero_grad(set_to_none=True)
