@@ -234,8 +234,9 @@ def prepare_remat(case: zoo.ModelCase, budget: int | str, solver: str) -> Prepar
 
     started = time.perf_counter()
     limit = {"time_limit_s": TIME_LIMIT_S} if TIME_LIMIT_S and solver in ("auto", "ilp", "layers") else {}
+    # the loss only, as every other row's step keeps (the logits die in the forward)
     planned = remat.plan(case.model, case.args, dict(case.kwargs), budget=budget, solver=solver,
-                         cost_model=COST_MODEL, **limit)
+                         cost_model=COST_MODEL, outputs="loss", **limit)
     plan_s = time.perf_counter() - started
     return Prepared(case=case, step=_loss_step(planned, case), plan_s=plan_s,
                     predicted_peak_bytes=planned.predicted_peak_bytes,
@@ -390,22 +391,14 @@ def torch_rows(name: str, size: str, ref: Reference, budgets, repeats: int) -> l
     return rows
 
 
-def _matched(top: Row, targets, baseline: int, low: int) -> dict[int, str]:
-    """Budgets whose plans measure at the targets: each target plus what remat's
-    prediction holds that this bench's step does not (the step drops its output, the
-    logits; remat's budget covers a caller that keeps them), as read off the 100% row."""
-    held = (top.predicted_peak_bytes or 0) - (top.peak_bytes or 0)
-    if held <= 0:
-        return {}
-    return {t + held: f"{t / MIB:.2f} MiB measured (budget +{held / MIB:.2f}: the dropped output)"
-            for t in sorted(set(targets), reverse=True) if low <= t + held < baseline}
-
-
 def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repeats: int,
-               targets: tuple[int, ...] = (), match_measured: bool = True) -> list[Row]:
+               targets: tuple[int, ...] = ()) -> list[Row]:
     """remat per solver over `points` budgets from the no-remat peak down to the
     smallest reachable, plus each of `targets` (the measured peaks of the other methods:
-    the dominance question is what remat costs at exactly their memory)."""
+    the dominance question is what remat costs at exactly their memory). remat plans the
+    loss as the only output (`outputs="loss"`): every other method's step drops the
+    logits before backward too, so a budget equal to their measured peak compares like
+    with like (before, remat held the logits for a caller, 4 MiB of GPT-2 bench)."""
     why = remat_available()
     if why is not None:
         log.warning("skipping remat rows: %s", why)
@@ -436,15 +429,11 @@ def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repea
         if solver not in FIXED_SOLVERS:  # --points 1: 100% and the other methods' peaks only
             budgets += sorted((t for t in set(targets) if low <= t < baseline and t not in budgets),
                               reverse=True)
-        labels: dict[int, str] = {}
         for budget in budgets:
-            setting = "100%" if budget is None else labels.get(budget, f"{budget / MIB:.2f} MiB")
+            setting = "100%" if budget is None else f"{budget / MIB:.2f} MiB"
             try:
                 prepared = top if budget is None else prepare_remat(case, budget, solver)
                 rows.append(measure(prepared, ref, model=name, method=method, setting=setting, repeats=repeats))
-                if budget is None and solver not in FIXED_SOLVERS and match_measured:
-                    labels = _matched(rows[-1], targets, baseline, low)
-                    budgets += [b for b in labels if b not in budgets]
             except remat.InfeasibleBudgetError as e:
                 rows.append(Row(model=name, method=method, setting=setting,
                                 note=f"infeasible for {solver}; smallest reachable {_mib(e.min_peak_bytes)} MiB"))

@@ -86,6 +86,10 @@ def _target_args(p: argparse.ArgumentParser) -> None:
                         f"machine, or {FAKE_DEFAULT_DEVICE} with --fake")
     p.add_argument("--offload", default="auto", choices=("auto", "on", "off"),
                    help="let the planner move activations to host memory (auto: on CUDA only)")
+    p.add_argument("--outputs", default="all", choices=("all", "loss"),
+                   help="what the training loop keeps of the model's outputs through backward: all "
+                        "(default) or the loss only (logits die in the forward, as in "
+                        "`model(**batch).loss.backward()` or transformers' Trainer)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -156,7 +160,8 @@ def _cmd_report(opts: argparse.Namespace) -> int:
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
     with stages.planning(opts.verbose):
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
-                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload])
+                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload],
+                             outputs=opts.outputs)
     with stages.stage("Pareto sweep") as advance:
         report = build_report(planned.step, built.model, name=opts.target, options=training,
                               pareto_points=opts.pareto_points, pareto_time_limit_s=opts.pareto_time_limit,
@@ -190,7 +195,8 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
     def plan_value(v: int) -> int:
         built, speed, _ = _build(opts, {**sets, opts.vary: v})
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
-                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload])
+                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload],
+                             outputs=opts.outputs)
         return planned.predicted_peak_bytes
 
     with stages.stage(f"searching {opts.vary}"):

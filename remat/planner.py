@@ -76,8 +76,12 @@ class Partitioner:
                  device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
                  compiled_offload: bool = False, replay_rng: bool = False,
                  budget_for: Callable[[int], int] | None = None, best_effort: bool = False,
-                 measure_workspace_by_default: bool = False, schedules: bool = False) -> None:
+                 measure_workspace_by_default: bool = False, schedules: bool = False,
+                 drop_outputs: bool = False) -> None:
         self.num_params = num_params
+        self.drop_outputs = drop_outputs
+        """The caller drops every forward output but the loss before backward
+        (`remat.backend(outputs="loss")`): they are held to the forward's end only."""
         self.schedules = schedules
         """Below every canonical plan, try plans that recompute a value more than once
         (`remat.floor`): the eager runtime's default (`remat.plan`'s `schedules` option)."""
@@ -217,7 +221,8 @@ class Partitioner:
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None,
-                           sum_gradients_in_place=self.sum_gradients_in_place)
+                           sum_gradients_in_place=self.sum_gradients_in_place,
+                           drop_outputs=self.drop_outputs)
         options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng", "schedules")}
         measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
                                        self.measure_workspace_by_default)

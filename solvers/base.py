@@ -33,12 +33,15 @@ under the load of six parallel sessions, and ~1e6 unloaded; CP-SAT's own determi
 time (`max_deterministic_time`) is charged as it reports it."""
 
 
-CPSAT_DET_PER_S = 0.2
+CPSAT_DET_PER_S = 0.5
 """CP-SAT deterministic seconds per nominal second: its deterministic time runs slower
-than CPU time on these models (LP-heavy search). Measured per call on random_dag(100),
-random_dag(300) and transformer(4) under `ilp`, one worker: 0.12-0.38 deterministic
-seconds per CPU second (each call's CPU time against the deterministic time CP-SAT
-reports for it)."""
+than CPU time on these models (LP-heavy search). Measured per solve under `ilp`, one
+worker, on an idle machine of this 2-core kind (2026-11-24; bench/README.md, "ILP clock"):
+0.34-0.78 deterministic seconds per CPU second (median 0.63) over random_dag(100),
+random_dag(300) and the GPT-2 and LLaMA bench joint graphs; 0.5 makes a nominal second
+0.64-1.5 s of one core on those, about one on the median problem. (The earlier 0.2 came
+from 0.12-0.38 measured under the load of six parallel sessions, where CPU seconds
+stretch: it made the default 10 s limit about 3 s of an idle core.)"""
 
 
 class WorkClock:

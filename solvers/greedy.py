@@ -55,12 +55,22 @@ def solve_greedy(problem: Problem, options: Options) -> Plan:
     return finish(problem, best[1], "greedy", started_s=started, work_s=clock.spent_s)
 
 
-def _shrink(problem: Problem, clock: WorkClock) -> dict[int, Decision]:
+def repair(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> dict[int, Decision]:
+    """`decisions` made to fit, if the shrink can: its saved values dropped cheapest bytes
+    first while the peak does not rise, then trimmed. `ilp` repairs the optimum of its
+    relaxation this way (cheap, and close to the cheapest plan where the relaxation is
+    tight): a fitting plan long before its search finds one as good."""
+    return _trim(problem, _shrink(problem, clock, start=decisions), clock)
+
+
+def _shrink(problem: Problem, clock: WorkClock, start: dict[int, Decision] | None = None) -> dict[int, Decision]:
     """Drop the cheapest bytes (RECOMPUTE or OFFLOAD) while the peak does not rise,
-    until it fits."""
+    until it fits; from `start` (default: everything saved)."""
     nodes = problem.nodes
-    decisions = decisions_all(problem, Decision.SAVE)
+    decisions = dict(start) if start is not None else decisions_all(problem, Decision.SAVE)
     peak = _peak(problem, decisions, clock)
+    if peak is None:
+        return decisions
     moves = [(i, Decision.RECOMPUTE) for i in problem.decision_ids
              if nodes[i].recomputable and nodes[i].alias_of is None]
     moves += [(i, Decision.OFFLOAD) for i in problem.decision_ids if Decision.OFFLOAD in problem.allowed(i)]
@@ -87,7 +97,7 @@ def _shrink(problem: Problem, clock: WorkClock) -> dict[int, Decision]:
 
 def _trim(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) -> dict[int, Decision]:
     """If the plan fits, flip recomputed values back to SAVE, most expensive first,
-    while it still fits."""
+    while it still fits (not those that cost at least as much to save, `Node.save_s`)."""
     decisions = dict(decisions)
     if (_peak(problem, decisions, clock) or problem.budget_bytes + 1) > problem.budget_bytes:
         return decisions
@@ -97,6 +107,8 @@ def _trim(problem: Problem, decisions: dict[int, Decision], clock: WorkClock) ->
     for i in sorted(dropped, key=lambda i: (-_price_s(problem, i, decisions[i]), nodes[i].out_bytes, i)):
         if clock.expired:
             break
+        if nodes[i].save_s and nodes[i].save_s >= _price_s(problem, i, decisions[i]):
+            continue  # saving it costs no less (the compiled-traffic model's pointwise values)
         move, decisions[i] = decisions[i], Decision.SAVE
         new_peak = _peak(problem, decisions, clock)
         if new_peak is None or new_peak > problem.budget_bytes:

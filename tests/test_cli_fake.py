@@ -127,3 +127,30 @@ def test_build_fake_keeps_tied_weights_and_grad_flags():
     assert all(isinstance(p, FakeTensor) and p.device.type == "cpu" for p in model.parameters())
     assert [p.requires_grad for p in model.parameters()] == [True, False, False]
     assert isinstance(args[0], FakeTensor) and args[0].device.type == "cpu"
+
+
+def test_outputs_loss_frees_the_logits_in_the_report(tmp_path):
+    """`--outputs loss`: the training loop keeps only the loss, so the logits (batch x
+    tokens x vocab) are not held through backward and the no-remat peak drops by their
+    bytes; planned on fake tensors, as for a model bigger than the machine."""
+    (tmp_path / "gpt2.py").write_text(textwrap.dedent('''
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        def build(batch_size=2, seq_len=64):
+            config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=seq_len,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+            model = GPT2LMHeadModel(config)
+            model.loss_type = "ForCausalLM"
+            ids = torch.randint(0, 1000, (batch_size, seq_len))
+            return model, (ids,), {"labels": ids}
+    '''))
+    reports = {}
+    for outputs in ("all", "loss"):
+        out = tmp_path / outputs
+        argv = ["report", f"{tmp_path / 'gpt2.py'}:build", "--budget", "90%", "--fake", "--device", "h100",
+                "--out", str(out), "--pareto-points", "2", "--solver", "greedy", "--outputs", outputs, "--quiet"]
+        assert cli.main(argv) == 0
+        reports[outputs] = json.loads((out / "report.json").read_text())
+    logits_bytes = 2 * 64 * 1000 * 4
+    assert reports["all"]["baseline_peak_bytes"] - reports["loss"]["baseline_peak_bytes"] == logits_bytes

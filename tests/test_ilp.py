@@ -260,3 +260,25 @@ def test_options_are_frozen_and_validated_by_name():
         opts.seed = 1  # type: ignore[misc]
     with pytest.raises(TypeError, match="'time_limit'"):
         solve(builders.chain(2), "ilp", time_limit=1)
+
+
+@settings(max_examples=80)
+@given(problem=st.booleans().flatmap(lambda save: problems(max_forward=7, save=save)), seed=st.integers(0, 2**16))
+def test_repair_never_raises_the_peak_and_keeps_a_fitting_plan_fitting(problem, seed):
+    """`greedy.repair`, the ILP's repair of its relaxation's optimum: from any plan it
+    never peaks higher (but into the budget's slack), a plan that fits stays fitting and
+    never costs more."""
+    from solvers import greedy
+    from solvers.base import WorkClock
+    from solvers.problem import Decision
+
+    rng = random.Random(seed)
+    start = {i: rng.choice([d for d in problem.allowed(i)
+                            if d is not Decision.RECOMPUTE or problem.nodes[i].recomputable])
+             for i in problem.decision_ids}
+    before = simulate(problem, start)
+    fixed = greedy.repair(problem, start, WorkClock(None))
+    after = simulate(problem, fixed)
+    assert after.peak_bytes <= max(before.peak_bytes, problem.budget_bytes)  # the trim may use slack
+    if before.fits:
+        assert after.fits and after.cost_s <= before.cost_s * (1 + REL["rel"]) + REL["abs"]

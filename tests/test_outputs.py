@@ -8,6 +8,7 @@ import torch
 import remat
 from remat import zoo
 from remat.errors import RematError
+from remat.frontend.problem import FORWARD_END
 from remat.measure import measure_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,3 +79,94 @@ def test_loss_only_under_inductor():
     assert out["hidden"] is None
     for n, g in _grads(model).items():
         torch.testing.assert_close(g, eager[n])
+
+
+# --- remat.backend(outputs="loss"): the caller drops the other outputs before backward ---
+
+
+class _Wide(torch.nn.Module):
+    """The loss's backward never reads `hidden` (a sum's gradient is ones), so the plan
+    has no reason to keep it: only the caller could."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 256)
+
+    def forward(self, x):
+        hidden = self.b(torch.tanh(self.a(x)))
+        return {"loss": hidden.sum(), "hidden": hidden}
+
+
+def _compiled(outputs, whole_step=True):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Wide(), torch.randn(64, 64)
+    be = remat.backend(budget="100%", compiler="eager", outputs=outputs, whole_step=whole_step)
+    return model, x, be, torch.compile(model, backend=be)
+
+
+def test_backend_loss_only_holds_the_other_outputs_to_the_forward_end_only():
+    model, x, kept_be, compiled = _compiled("all")
+    compiled(x)["loss"].backward()
+    model, x, be, compiled = _compiled("loss")
+    model(x)["loss"].backward()
+    eager = _grads(model)
+    model.zero_grad(set_to_none=True)
+    compiled(x)["loss"].backward()
+    assert all(torch.equal(g, eager[n]) for n, g in _grads(model).items())
+    (kept,), (dropped,) = kept_be.steps, be.steps
+    hidden_bytes = 64 * 256 * 4
+    # held to the end of the step, the hidden output is in the no-remat peak; dropped after
+    # the forward (read by the forward's end node only), it is not
+    assert kept.baseline_peak_bytes - dropped.baseline_peak_bytes == hidden_bytes
+    problem, names = dropped.graph_problem.problem, dropped.graph_problem.value_name
+    end = names.index(FORWARD_END)
+    assert end == problem.forward_ids[-1] and end not in problem.outputs
+    (hidden,) = problem.nodes[end].inputs
+    assert problem.nodes[hidden].out_bytes == hidden_bytes and hidden not in problem.outputs
+    assert kept_be.uuid() != be.uuid()
+
+    model.zero_grad(set_to_none=True)
+    measured = measure_step(lambda: compiled(x)["loss"].backward(), register=(model, x), instrument="profiler")
+    assert measured.peak_bytes <= be.ledger.predicted_step_bytes <= be.ledger.budget_bytes
+
+
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_backend_loss_only_refuses_a_step_that_holds_an_output_at_backward(whole_step):
+    from remat.runtime.dropped import DroppedOutputHeldError
+
+    model, x, be, compiled = _compiled("loss", whole_step)
+    out = compiled(x)  # held through backward: the plan did not count it
+    with pytest.raises(DroppedOutputHeldError, match=r"output 1 \(torch.float32 \[64, 256\], 0.06 MiB \(65536 B\)\) is still held"):
+        out["loss"].backward()
+    del out
+    model.zero_grad(set_to_none=True)
+    compiled(x)["loss"].backward()  # dropped: runs
+    assert model.a.weight.grad is not None
+
+
+def test_backend_refuses_an_unknown_outputs_value():
+    with pytest.raises(RematError, match='outputs=.logits.*"all".*"loss"'):
+        remat.backend(budget="50%", outputs="logits")
+
+
+def test_backend_loss_only_on_gpt2_keeps_its_layers_and_frees_the_logits(gpt2):
+    """The forward's end node has no fx node: the layer finder leaves it outside every
+    layer, and the logits are its only reader (GPT-2's backward reads the log-softmax)."""
+    import torch._dynamo
+
+    from solvers.structure import OUTSIDE
+
+    case, logits_bytes, _ = gpt2
+    torch._dynamo.reset()
+    case.model.loss_type = "ForCausalLM"  # the default; unset, transformers warns: a graph break
+    be = remat.backend(budget="100%", compiler="eager", outputs="loss")
+    torch.compile(case.model, backend=be)(*case.args, **case.kwargs).loss.backward()
+    (step,) = be.steps
+    problem, names = step.graph_problem.problem, step.graph_problem.value_name
+    end = names.index(FORWARD_END)
+    assert problem.layers is not None and problem.layers.layer_of[end] == OUTSIDE
+    assert sum(problem.nodes[i].out_bytes for i in problem.nodes[end].inputs) == logits_bytes
+    case.model.zero_grad(set_to_none=True)

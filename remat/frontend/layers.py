@@ -44,7 +44,8 @@ def layer_structure(joint: fx.GraphModule, graph_problem: GraphProblem) -> Layer
     count: Counter[str] = Counter()
     children: dict[str, set[int]] = {}
     for i in problem.forward_ids:
-        node = by_name.get(graph_problem.fx_names[i][0])
+        names = graph_problem.fx_names[i]  # none: FORWARD_END, no fx node
+        node = by_name.get(names[0]) if names else None
         found = _numbered_paths(node) if node is not None else []
         paths[i] = found
         for prefix, k in dict.fromkeys(found):

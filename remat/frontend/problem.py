@@ -12,6 +12,12 @@ Each tensor value of the joint graph becomes one problem node, except:
   BACKWARD nodes without inputs.
 Phases come from AOTAutograd's `classify_nodes`: FORWARD is what the forward outputs
 need; everything else runs in backward, placed just before its first backward user.
+
+A forward output lives to the end of the step (the caller may hold it through backward),
+unless the caller declared it dropped (`drop_outputs`: `remat.backend(outputs="loss")`):
+then it lives to the forward's end only, which a last forward node of no bytes and no
+cost, `FORWARD_END`, models by reading it (the forward graph returns it; the caller drops
+it before backward).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from remat.frontend.accumulate import in_place_operand
 from remat.frontend.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
 from solvers import Node, Phase, Problem
 
+FORWARD_END = "remat_forward_end"
+"""Name of the problem node (no fx node) that holds dropped forward outputs to the
+forward's end (see the module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,13 +80,16 @@ def build_problem(
     cost_s: Callable[[fx.Node], float],
     param_indices: Collection[int] | None = None,
     sum_gradients_in_place: bool = False,
+    drop_outputs: bool = False,
 ) -> GraphProblem:
     """The planning problem of `joint`. Parameters and buffers are the primals at
     `param_indices` (positions among all primals, SymInts included: under torch.compile
     dynamo interleaves them with user inputs and AOTAutograd names them in
     `static_lifetime_input_indices`); without it, the first `num_params` primals.
     `sum_gradients_in_place`: a parameter's gradient sum overwrites one of its operands
-    (`GraphProblem.in_place_sums`; the rewriter must then apply them)."""
+    (`GraphProblem.in_place_sums`; the rewriter must then apply them).
+    `drop_outputs`: forward outputs of more than one element live to the forward's end
+    only (see the module docstring); a loss (one element) stays held."""
     info = classify_nodes(joint, [], num_fwd_outputs)
     params = frozenset(range(num_params) if param_indices is None else param_indices)
     items: dict[str, _Item] = {}  # value name -> item
@@ -110,8 +122,27 @@ def build_problem(
             if pos is not None:  # the sum lives in its operand's storage
                 items[node.name].alias_of = node.args[pos].name
                 in_place[node.name] = pos
-    gp = _assemble(joint, items, num_fwd_outputs, budget_bytes)
+    dropped = _dropped_outputs(joint, items, num_fwd_outputs) if drop_outputs else ()
+    if dropped:
+        items[FORWARD_END] = _Item((), Phase.FORWARD, dropped, 0, 0.0, None,
+                                   "the forward's end, which holds the outputs returned to the caller", "")
+    gp = _assemble(joint, items, num_fwd_outputs, budget_bytes, dropped=frozenset(dropped))
     return dataclasses.replace(gp, in_place_sums=in_place)
+
+
+def _dropped_outputs(joint: fx.GraphModule, items: Mapping[str, _Item], num_fwd_outputs: int) -> tuple[str, ...]:
+    """The forward outputs a caller that keeps only the loss drops before backward: the
+    forward values of more than one element among the first `num_fwd_outputs` outputs."""
+    if FORWARD_END in items:
+        raise ValueError(f"the joint graph has a node named {FORWARD_END!r}")
+    leaves = torch.utils._pytree.tree_leaves(joint.graph.output_node().args)[:num_fwd_outputs]
+    out = []
+    for node in leaves:
+        val = tensor_val(node) if isinstance(node, fx.Node) else None
+        if (val is not None and val.numel() > 1 and node.name in items
+                and items[node.name].phase is Phase.FORWARD and node.name not in out):
+            out.append(node.name)
+    return tuple(out)
 
 
 def _tensor_inputs(node: fx.Node, items: Mapping[str, _Item]) -> tuple[str, ...]:
@@ -177,9 +208,11 @@ def _items_of_op(
 
 
 def _assemble(
-    joint: fx.GraphModule, items: Mapping[str, _Item], num_fwd_outputs: int, budget_bytes: int
+    joint: fx.GraphModule, items: Mapping[str, _Item], num_fwd_outputs: int, budget_bytes: int,
+    dropped: frozenset[str] = frozenset(),
 ) -> GraphProblem:
-    """Order items PARAM/INPUT, FORWARD, BACKWARD (just in time) and number them."""
+    """Order items PARAM/INPUT, FORWARD, BACKWARD (just in time) and number them;
+    `dropped` outputs are not held to the end."""
     sources = [n for n, it in items.items() if it.phase in (Phase.PARAM, Phase.INPUT)]
     forward = [n for n, it in items.items() if it.phase is Phase.FORWARD]
     order = sources + forward
@@ -216,7 +249,7 @@ def _assemble(
     # with for the whole backward pass.
     outputs = tuple(dict.fromkeys(
         [ids[a.name] for a in torch.utils._pytree.tree_leaves(out_node.args)
-         if isinstance(a, fx.Node) and a.name in ids]
+         if isinstance(a, fx.Node) and a.name in ids and a.name not in dropped]
         + [ids[name] for name in order if name.startswith("tangents")]
     ))
     problem = Problem(nodes=tuple(nodes), outputs=outputs, budget_bytes=budget_bytes)

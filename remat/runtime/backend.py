@@ -76,6 +76,8 @@ from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_p
 from solvers import SOLVERS
 
 COMPILERS = ("inductor", "eager")
+OUTPUTS = ("all", "loss")
+"""Values of `backend(outputs=...)`: what the caller holds of the step's outputs."""
 
 # Inductor settings remat pins for what it compiles (see the module docstring).
 PINNED_INDUCTOR_CONFIG: dict[str, Any] = {
@@ -91,7 +93,7 @@ class RematBackend:
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
                  fusion: str = "neighbours", offload: bool | str = "auto", whole_step: bool = True,
-                 **options: Any) -> None:
+                 outputs: str = "all", **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
@@ -101,8 +103,12 @@ class RematBackend:
             raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(costs.COST_MODELS)}")
         if fusion not in FUSION_MODES:
             raise RematError(f"unknown fusion={fusion!r}; valid: {list(FUSION_MODES)}")
+        if outputs not in OUTPUTS:
+            raise RematError(f"unknown outputs={outputs!r}: use \"all\" (every output held until the "
+                             "step ends) or \"loss\" (the caller drops every output but the loss before backward)")
         check_budget_syntax(budget)
         check_offload(offload)
+        self.outputs = outputs
         self.offload = offload
         self.budget = budget
         self.fusion = fusion
@@ -138,7 +144,8 @@ class RematBackend:
                 "(a hang); use cache=False (the default) or sync_ranks=False")
         if self.whole_step and not _symbolic(gm):
             graph = LedgeredGraph(self._graphs, self.ledger, functools.partial(
-                self._compile, gm, mode=mode, options=options), on_step=self.steps.append)
+                self._compile, gm, mode=mode, options=options), on_step=self.steps.append,
+                watch_outputs=self.outputs == "loss")
             self._graphs += 1
             try:
                 return graph.start(example_inputs)
@@ -147,6 +154,9 @@ class RematBackend:
         compiled, step = self._compile(gm, example_inputs, mode=mode, options=options)
         if step is not None:
             self.steps.append(step)
+        if self.outputs == "loss" and step is not None:
+            compiled = _Watching(compiled, self._graphs)
+            self._graphs += 1
         return compiled
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -161,7 +171,8 @@ class RematBackend:
                                   cost_model=self.cost_model, sync_ranks=self.sync_ranks,
                                   offload=self.offload, compiled_offload=self.compiler == "inductor",
                                   offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs),
-                                  budget_for=budget_for, best_effort=best_effort)
+                                  budget_for=budget_for, best_effort=best_effort,
+                                  drop_outputs=self.outputs == "loss")
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -211,7 +222,7 @@ class RematBackend:
         return (
             "remat", _source_hash(), repr(self.budget), self.solver, repr(self.offload),
             repr(sorted(self.options.items())), self.cost_model, _device_fingerprint(),
-            f"fusion={self.fusion}",
+            f"fusion={self.fusion}", f"outputs={self.outputs}",
         )
 
     def summary(self) -> str:
@@ -281,7 +292,12 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     on CUDA only); under inductor the store and reload are custom ops
     (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). whole_step:
     one budget for the whole step across its graphs (default; `remat.runtime.step.ledger`) or
-    each graph on its own (False). Other keyword arguments go to the solver."""
+    each graph on its own (False). outputs: "all" (default) plans for the caller holding
+    every output of the compiled step until backward ends; "loss" for a caller that keeps
+    only the loss (`model(x).loss.backward()`, a training loop's usual shape): the other
+    outputs (a language model's logits, often its largest activation) are held to the
+    forward's end only, and a step that still holds one when backward begins stops with
+    `remat.runtime.dropped.DroppedOutputHeldError`. Other keyword arguments go to the solver."""
     return RematBackend(budget=budget, solver=solver, **kwargs)
 
 
@@ -325,6 +341,27 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: s
     only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
     of what fusion of that kind adds (`remat.runtime.inductor.estimate`); None: plan once."""
     return _partitioner_class()(partitioner, uuid, fusion)
+
+
+class _Watching:
+    """A compiled graph that checks at backward that the outputs declared dropped are
+    gone (`remat.runtime.dropped`); what else dynamo reads of it is the graph's own."""
+
+    def __init__(self, compiled: Callable[..., Any], graph: int) -> None:
+        self.compiled = compiled
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        from remat.runtime import dropped
+
+        out = self.compiled(*args)
+        dropped.watch(out, self.graph)
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # _boxed_call (dynamo's calling convention), ...
+        if name.startswith("__") or "compiled" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:
@@ -403,4 +440,4 @@ def _device_fingerprint() -> str:
             f"{speed.bandwidth_bytes_per_s:.2g}")
 
 
-__all__ = ["COMPILERS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "passthrough"]
+__all__ = ["COMPILERS", "OUTPUTS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "passthrough"]

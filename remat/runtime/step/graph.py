@@ -14,6 +14,7 @@ from torch._subclasses import FakeTensor
 
 from remat.budget import format_bytes
 from remat.errors import InfeasibleBudgetError
+from remat.runtime import dropped
 from remat.runtime.step import split
 from remat.runtime.step.ledger import Call, Compile, StepLedger
 
@@ -27,8 +28,10 @@ def _peak(step: Any) -> int:
 
 class LedgeredGraph:
     def __init__(self, graph: int, ledger: StepLedger, compile: Compile,
-                 on_step: Callable[[Any], None]) -> None:
+                 on_step: Callable[[Any], None], *, watch_outputs: bool = False) -> None:
         self.graph = graph
+        self.watch_outputs = watch_outputs
+        """Check at backward that outputs declared dropped are gone (`remat.runtime.dropped`)."""
         self.ledger = ledger
         self._compile = compile
         self._on_step = on_step
@@ -71,6 +74,8 @@ class LedgeredGraph:
                              held_bytes=held, boundary_bytes=boundary,
                              no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
                              params=seen.params, with_grad=seen.with_grad, counted=seen.counted))
+        if self.watch_outputs:
+            dropped.watch(out, self.graph)
         return out
 
     def __getattr__(self, name: str) -> Any:
