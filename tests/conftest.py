@@ -26,3 +26,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_dp_table_cache(monkeypatch):
+    """dp's block tables stay off disk in tests (REMAT_DP_TABLE_CACHE=0): tests must build
+    what they check, and must not fill or read the user's ~/.cache/remat.
+    tests/test_dp_table_cache.py turns it on under tmp_path."""
+    monkeypatch.setenv("REMAT_DP_TABLE_CACHE", "0")

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from solvers.base import Options, WorkClock, finish
-from solvers.dp import fronts
+from solvers.dp import fronts, table_cache
 from solvers.dp.fronts import DROPPED, Option, local_peak, next_summary
 from solvers.dp.local import NEG, BlockEvaluator, InvalidLocal, Local
 from solvers.dp.structure import Block, BlockSequence, analyze
@@ -159,23 +159,29 @@ _TABLES: OrderedDict[tuple, tuple[dict, int, int]] = OrderedDict()
 """Tables of recent solves by (signature, limit), with what building them charged: a
 budget sweep or a re-plan of the same model builds each table once. The signature holds
 everything a table depends on (values read from outside the block are either fixed or
-never brought back, and the evaluator treats both alike)."""
+never brought back, and the evaluator treats both alike). Large tables are also kept
+on disk across processes (table_cache)."""
 _TABLES_KEPT = 32
 
 
 def _shared_table(problem: Problem, block: Block, sig: tuple, limit: int, clock: WorkClock,
                   fixed: frozenset[int]) -> dict:
+    """The block's table: from this process's recent solves, else from the disk cache
+    (table_cache), else built (and stored in both)."""
     key = (sig, limit)
     hit = _TABLES.get(key)
-    if hit is None:
-        raw, n_configs = _table(problem, block, limit, clock, fixed)
-        table = fronts.compile_table(raw)
-        modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
-        _TABLES[key] = (table, n_configs, len(modes_prev) * len(block.values))
-        while len(_TABLES) > _TABLES_KEPT:
-            _TABLES.popitem(last=False)
-        return table
-    _TABLES.move_to_end(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+    else:
+        hit = table_cache.load(sig, limit)
+        if hit is None:
+            raw, n_configs = _table(problem, block, limit, clock, fixed)
+            modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
+            entry = (fronts.compile_table(raw), n_configs, len(modes_prev) * len(block.values))
+            table_cache.store(sig, limit, entry)
+            _remember(key, entry)
+            return entry[0]
+        _remember(key, hit)
     table, n_configs, steps = hit
     for k in range(n_configs):  # charge the clock exactly as building it did: same plans, same limits
         clock.charge_steps(steps)
@@ -184,6 +190,12 @@ def _shared_table(problem: Problem, block: Block, sig: tuple, limit: int, clock:
                                      f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
                                      work_s=clock.spent_s)
     return table
+
+
+def _remember(key: tuple, entry: tuple[dict, int, int]) -> None:
+    _TABLES[key] = entry
+    while len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
 
 
 def _relative(block: Block) -> tuple[Block, tuple[int, int]]:
