@@ -258,7 +258,9 @@ class RematBackend:
             margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
-                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
+                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin > 0 else
+                            f", {format_bytes(-margin)} under remat's op-by-op peak: inductor's code holds less"
+                            if margin < 0 else "")
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
             budget = (self.ledger.budget_bytes if step_wide
                       else sum(step.budget_bytes for step in self.steps))
