@@ -75,12 +75,13 @@ def prepare_torch_compile(case: zoo.ModelCase, budget: float) -> compare.Prepare
     return compare.Prepared(case=case, step=step, plan_s=time.perf_counter() - started)
 
 
-def prepare_remat_inductor(case: zoo.ModelCase, budget: int | str) -> compare.Prepared:
+def prepare_remat_inductor(case: zoo.ModelCase, budget: int | str, **options: Any) -> compare.Prepared:
+    """`options`: more `remat.backend` arguments (cost_model=...)."""
     import remat
 
     torch._dynamo.reset()
     # the caller keeps the loss only, as the torch.compile rows' step does
-    be = remat.backend(budget=budget, outputs="loss")
+    be = remat.backend(budget=budget, outputs="loss", **options)
     step = _compiled_step(case, torch.compile(_one_graph(case).model, backend=be))
     started = time.perf_counter()
     step()

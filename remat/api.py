@@ -293,10 +293,12 @@ def plan(
     inductor's rounding instead of bit for bit.
 
     cost_model: how a recompute's seconds are estimated, one of
-    `remat.frontend.costs.COST_MODELS`: "eager" (default; each op its own kernel) or
+    `remat.frontend.costs.COST_MODELS`: "eager" (default; each op its own kernel),
     "compiled" (pointwise ops fused into their consumers cost only the bytes they read;
-    for comparing with inductor-compiled training). It changes which plan is chosen,
-    never the memory model or the runtime.
+    for comparing with inductor-compiled training) or "compiled-traffic" (the same, and
+    a saved pointwise value costs its traffic; `compile=True`'s default, as
+    `remat.backend`'s). It changes which plan is chosen, never the memory model or the
+    runtime.
 
     outputs: "all" (default) returns every output of the model (other than the loss,
     detached), and plans for them being held until the step ends: the caller may keep

@@ -28,15 +28,16 @@ from solvers import Decision, Plan, Status, simulate
 
 
 def prefer_fused_recompute(joint: fx.GraphModule, gp: GraphProblem, plan: Plan, speed: DeviceSpeed,
-                           *, max_candidates: int = 400) -> Plan:
+                           *, max_candidates: int = 400, random_s_per_element: float | None = None) -> Plan:
     """`plan` with saved pointwise values recomputed where fusion makes that cheaper than
-    saving and the budget still holds (see the module docstring)."""
+    saving and the budget still holds (see the module docstring; `random_s_per_element`:
+    see `remat.frontend.costs.save_cost_s`)."""
     if plan.schedule is not None:
         return plan  # an explicit schedule is the solver's own; keep it as it is
     problem = gp.problem
     by_name = {n.name: n for n in joint.graph.nodes}
     traffic_s = {  # what saving each candidate costs (0 unless it is pointwise)
-        i: save_cost_s(by_name[gp.value_name[i]], speed) if gp.value_name[i] in by_name else 0.0
+        i: save_cost_s(by_name[gp.value_name[i]], speed, random_s_per_element) if gp.value_name[i] in by_name else 0.0
         for i, d in plan.decisions.items()
         if d is Decision.SAVE and problem.nodes[i].recomputable and problem.nodes[i].alias_of is None
     }

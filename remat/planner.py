@@ -60,8 +60,8 @@ class PlannedStep:
     fusion_margin_bytes: int = 0
     """Under inductor: how much its generated code raises the peak over
     `evaluation.peak_bytes` (`remat.runtime.inductor.estimate.inductor_peak_bytes` over
-    `fusion_graph_bytes`; negative where it lowers it); the plan was made to fit
-    `budget_bytes` with this margin. 0 elsewhere."""
+    `fusion_graph_bytes`); the plan was made to fit `budget_bytes` with this margin. 0
+    elsewhere."""
     fusion_graph_bytes: tuple[Any, ...] = ()
     """Under inductor: each graph's peak as inductor generates it vs op by op
     (`remat.runtime.inductor.estimate.GraphBytes`), where the margin comes from. () elsewhere."""
@@ -77,7 +77,7 @@ class Partitioner:
                  compiled_offload: bool = False, replay_rng: bool = False,
                  budget_for: Callable[[int], int] | None = None, best_effort: bool = False,
                  measure_workspace_by_default: bool = False, schedules: bool = False,
-                 drop_outputs: bool = False) -> None:
+                 drop_outputs: bool = False, random_s_per_element: float | None = None) -> None:
         self.num_params = num_params
         self.drop_outputs = drop_outputs
         """The caller drops every forward output but the loss before backward
@@ -114,6 +114,9 @@ class Partitioner:
         # None: measure this machine (outside any fake mode); fake-tensor planning passes a
         # named device's figures, since nothing may run there.
         self.device_speed = device_speed
+        self.random_s_per_element = random_s_per_element
+        """What one of inductor's random draws costs here (`remat.frontend.inductor_random`),
+        for the compiled cost models; None: priced by its traffic."""
         self._budget = budget
         self.solver = solver
         self.options = options
@@ -177,7 +180,7 @@ class Partitioner:
         if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
-            plan = prefer_fused_recompute(joint, gp, plan, speed)
+            plan = prefer_fused_recompute(joint, gp, plan, speed, random_s_per_element=self.random_s_per_element)
         if plan.status is not Status.INFEASIBLE and not self.compiled_offload:  # reloads early
             plan = prefetch(gp.problem, plan)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
@@ -213,7 +216,7 @@ class Partitioner:
     def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
-        cost_s = costs.cost_function(self.cost_model, speed)
+        cost_s = costs.cost_function(self.cost_model, speed, random_s_per_element=self.random_s_per_element)
         replayable = None
         if self.replay_rng:
             replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
@@ -232,7 +235,7 @@ class Partitioner:
             gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
                                                                        joint=joint if measured else None))
         if self.cost_model == "compiled-traffic":
-            gp = dataclasses.replace(gp, problem=with_save_costs(gp, joint, speed))
+            gp = dataclasses.replace(gp, problem=with_save_costs(gp, joint, speed, self.random_s_per_element))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
@@ -240,9 +243,10 @@ class Partitioner:
         return gp, baseline, speed, options
 
 
-def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.DeviceSpeed) -> Problem:
+def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.DeviceSpeed,
+                    random_s_per_element: float | None = None) -> Problem:
     """`gp.problem` with `Node.save_s` set on the values the backward reads whose saving
-    costs traffic under the "compiled-traffic" cost model (`costs.save_cost_s`): plain
+    costs time under the "compiled-traffic" cost model (`costs.save_cost_s`): plain
     (not views), recomputable values."""
     problem = gp.problem
     by_name = {n.name: n for n in joint.graph.nodes}
@@ -251,7 +255,7 @@ def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.Device
         node, fx_node = nodes[i], by_name.get(gp.value_name[i])
         if fx_node is None or node.alias_of is not None or not node.recomputable or not node.out_bytes:
             continue
-        save_s = costs.save_cost_s(fx_node, speed)
+        save_s = costs.save_cost_s(fx_node, speed, random_s_per_element)
         if save_s:
             nodes[i] = dataclasses.replace(node, save_s=save_s)
     return dataclasses.replace(problem, nodes=tuple(nodes))

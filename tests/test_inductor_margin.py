@@ -43,13 +43,10 @@ def test_each_graph_adds_its_own_excess_to_its_own_peak():
     assert inductor_peak_bytes(ev, _graphs(0, 50)) == 950
 
 
-def test_less_generated_than_op_by_op_lowers_that_graphs_term():
-    # the generated code holds less than op by op (a pointwise op inlined, a buffer
-    # reused): what runs peaks that much lower in that graph (GPT-2 tiny at 5,705,280 B:
-    # the backward's code 163,584 B under op by op, measured 163,584 B under remat's peak)
+def test_less_generated_than_op_by_op_never_lowers_the_prediction():
+    # the wrapper walk is not all that runs: LLaMA tiny under "compiled" measured 131,104 B
+    # over remat's peak less its backward's 217,340 B deficit, so a deficit counts as 0
     ev = _evaluation([F, B], [800, 600])
-    assert inductor_peak_bytes(ev, _graphs(-300, -100)) == 500
-    assert inductor_peak_bytes(ev, _graphs(-100, 300)) == 900
-    assert _graphs(-300, 0)[0].excess_bytes == -300
-    assert inductor_peak_bytes(ev, _graphs(0, -100)) == 800  # the forward's term stays
+    assert inductor_peak_bytes(ev, _graphs(-300, -100)) == 800
+    assert _graphs(-300, 0)[0].excess_bytes == 0
     assert inductor_peak_bytes(ev, ()) == 800  # no estimate: remat's peak

@@ -367,7 +367,7 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
   outputs of non-pointwise ops (matmuls, reductions, placeholders). So its cost is those
   input bytes over the bandwidth, and recomputing a GELU or a dropout-free residual chain
   costs memory traffic, not a kernel. Matmuls, convolutions, reductions and extern kernels
-  keep the eager roofline. The default of `remat.backend` (inductor). Saving a fusible
+  keep the eager roofline. Saving a fusible
   value costs traffic that recomputing it does not; under this model that enters after
   the solver, through a greedy pass (`remat.fusion`).
 - ``"compiled-traffic"``: the same recompute costs, and the traffic of saving in the
@@ -375,7 +375,14 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
   over the bandwidth (written in the forward, read back in the backward; recomputed, it
   is fused into its readers and never written), `solvers.Node.save_s`. Every solver's
   objective and `simulate`'s cost then include it; `dp`/`layers` decline such problems
-  (their tables count recompute seconds only), so `auto` uses `ilp`.
+  (their tables count recompute seconds only), so `auto` uses `ilp`. The default of
+  `remat.backend` (inductor): at torch.compile's 0.5 point its plans ran GPT-2 tiny's
+  step at 0.99x torch.compile's against 1.08x under "compiled", LLaMA tiny's at 1.07x
+  against 1.08x (bench/compiled_pairs.py, README).
+
+Under inductor both compiled models also price inductor's random draws as measured on
+this machine (`remat.frontend.inductor_random`): per element, not as traffic, and once
+more for a dropout mask saved straight from a draw.
 """
 
 
@@ -385,8 +392,17 @@ def _is_pointwise(node: torch.fx.Node) -> bool:
             and torch.Tag.pointwise in target.tags)
 
 
-def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
-    """Seconds for one node when inductor fuses pointwise chains (see `COST_MODELS`)."""
+def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed,
+                         random_s_per_element: float | None = None) -> float:
+    """Seconds for one node when inductor fuses pointwise chains (see `COST_MODELS`).
+    `random_s_per_element`: what one of inductor's random draws costs
+    (`remat.frontend.inductor_random`); an `inductor_random` node then costs its
+    elements times it, not its traffic (on CPU 40x more)."""
+    if random_s_per_element is not None:
+        from remat.frontend.inductor_random import is_inductor_random
+
+        if is_inductor_random(node) and isinstance(_val(node), torch.Tensor):
+            return max(node_cost_s(node, speed), _val(node).numel() * random_s_per_element)
     if not _is_pointwise(node):
         return node_cost_s(node, speed)
     read = sum(
@@ -395,21 +411,30 @@ def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
     return read / speed.bandwidth_bytes_per_s
 
 
-def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
-    """Seconds of traffic that saving `node`'s value costs under "compiled-traffic" (see
+def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed, random_s_per_element: float | None = None) -> float:
+    """Seconds that saving `node`'s value costs under "compiled-traffic" (see
     `COST_MODELS`): 2 x its bytes over the bandwidth when it is pointwise, else 0 (a
-    matmul's or reduction's output is written whether it is saved or not)."""
+    matmul's or reduction's output is written whether it is saved or not).
+    `random_s_per_element`: a dropout mask stored straight from inductor's random draw
+    also costs its draw once more (`remat.frontend.inductor_random.is_stored_mask`)."""
     if not _is_pointwise(node):
         return 0.0
-    return 2.0 * _tensor_bytes(_val(node)) / speed.bandwidth_bytes_per_s
+    traffic_s = 2.0 * _tensor_bytes(_val(node)) / speed.bandwidth_bytes_per_s
+    if random_s_per_element is not None:
+        from remat.frontend.inductor_random import is_stored_mask
+
+        if is_stored_mask(node):
+            return traffic_s + _val(node).numel() * random_s_per_element
+    return traffic_s
 
 
-def cost_function(cost_model: str, speed: DeviceSpeed):
-    """`node -> seconds` of the named cost model (one of `COST_MODELS`)."""
+def cost_function(cost_model: str, speed: DeviceSpeed, *, random_s_per_element: float | None = None):
+    """`node -> seconds` of the named cost model (one of `COST_MODELS`);
+    `random_s_per_element`: see `compiled_node_cost_s` (compiled models only)."""
     if cost_model == "eager":
         return lambda node: node_cost_s(node, speed)
     if cost_model in ("compiled", "compiled-traffic"):
-        return lambda node: compiled_node_cost_s(node, speed)
+        return lambda node: compiled_node_cost_s(node, speed, random_s_per_element)
     from remat.errors import RematError
 
     raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")

@@ -98,7 +98,7 @@ class RematBackend:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
             raise RematError(f"unknown compiler={compiler!r}; valid compilers: {list(COMPILERS)}")
-        cost_model = cost_model or ("compiled" if compiler == "inductor" else "eager")
+        cost_model = cost_model or ("compiled-traffic" if compiler == "inductor" else "eager")
         if cost_model not in costs.COST_MODELS:
             raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(costs.COST_MODELS)}")
         if fusion not in FUSION_MODES:
@@ -172,7 +172,8 @@ class RematBackend:
                                   offload=self.offload, compiled_offload=self.compiler == "inductor",
                                   offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs),
                                   budget_for=budget_for, best_effort=best_effort,
-                                  drop_outputs=self.outputs == "loss")
+                                  drop_outputs=self.outputs == "loss",
+                                  random_s_per_element=self._random_s_per_element())
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)
@@ -194,6 +195,15 @@ class RematBackend:
                 self.steps.append(stored)
                 self.stored_steps += 1
         return compiled, partitioner.step
+
+    def _random_s_per_element(self) -> float | None:
+        """Under inductor with a compiled cost model: what one of inductor's random draws
+        costs on this machine (measured once, `remat.frontend.inductor_random`)."""
+        if self.compiler != "inductor" or self.cost_model == "eager":
+            return None
+        from remat.frontend.inductor_random import random_s_per_element
+
+        return random_s_per_element("cpu")
 
     def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
         """The link bandwidth offload may use for this graph's device, or None (off)."""
@@ -222,6 +232,7 @@ class RematBackend:
         return (
             "remat", _source_hash(), repr(self.budget), self.solver, repr(self.offload),
             repr(sorted(self.options.items())), self.cost_model, _device_fingerprint(),
+            f"random={self._random_s_per_element() or 0:.2g}",
             f"fusion={self.fusion}", f"outputs={self.outputs}",
         )
 
@@ -258,9 +269,7 @@ class RematBackend:
             margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
-                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin > 0 else
-                            f", {format_bytes(-margin)} under remat's op-by-op peak: inductor's code holds less"
-                            if margin < 0 else "")
+                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
             budget = (self.ledger.budget_bytes if step_wide
                       else sum(step.budget_bytes for step in self.steps))
@@ -287,7 +296,7 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     """A `torch.compile` backend that rematerializes each captured graph under `budget`.
 
     compiler: "inductor" (default; fused kernels) or "eager" (remat's graphs op by op,
-    bit-exact on CPU). cost_model: "compiled" (default under inductor) or "eager" (see
+    bit-exact on CPU). cost_model: "compiled-traffic" (default under inductor), "compiled" or "eager" (see
     `remat.frontend.costs.COST_MODELS`). cache: keep torch's compile caches (default off,
     see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
     as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":

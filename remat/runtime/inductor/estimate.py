@@ -71,10 +71,12 @@ class GraphBytes:
 
     @property
     def excess_bytes(self) -> int:
-        """What the generated code holds beyond the graph run op by op, at their peaks:
-        negative where inductor's code holds less (lowering inlines a pointwise op, a
-        buffer is reused)."""
-        return self.generated_bytes - self.op_by_op_bytes
+        """What the generated code holds beyond the graph run op by op, at their peaks;
+        0 where it holds less. Not negative: the wrapper walk is not always all that
+        runs (LLaMA tiny under "compiled" at 4,345,800 B: the backward's code 217,340 B
+        under op by op, yet the step measured 131,104 B over remat's peak plus that
+        deficit), so a deficit never lowers the prediction."""
+        return max(0, self.generated_bytes - self.op_by_op_bytes)
 
 
 def input_views(gm: fx.GraphModule) -> frozenset[str]:
@@ -326,18 +328,14 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
 def inductor_peak_bytes(evaluation: Any, generated: Sequence[GraphBytes]) -> int:
     """The step's peak under inductor: for each graph, remat's peak over the steps that
     graph runs (forward steps; backward, recompute and reload steps) plus that graph's
-    `excess_bytes`, which may be negative. While a graph runs the step holds the same
-    bytes outside it either way (what the graph frees is counted in both accountings, see
-    `NOT_COUNTED_INPUTS`), and its generated code peaks `excess_bytes` above or below the
-    same graph run op by op (lowering inlines pointwise ops into kernels and fusion groups
-    kernels: a kernel keeps every input of the ops it covers; its buffer reuse gives some
-    back); remat's peak over its steps is at least those outside bytes plus the graph's
-    op-by-op peak, so each term bounds that graph's real peak, and equals it where remat's
-    model of the graph is exact. A deficit is not clamped to 0: GPT-2 tiny at torch.compile's
-    0.5 point (5,705,280 B) has a backward whose code holds 163,584 B less than op by op,
-    and the clamped rule predicted 5,699,616 B against the 5,536,032 B measured (this rule:
-    5,536,032 B). Adding the largest excess to the step's peak instead over-counts when the
-    graphs peak apart (tests/test_inductor_margin.py)."""
+    `excess_bytes`. While a graph runs the step holds the same bytes outside it either
+    way (what the graph frees is counted in both accountings, see `NOT_COUNTED_INPUTS`),
+    and its generated code holds at most `excess_bytes` beyond the same graph run op by op
+    (lowering inlines pointwise ops into kernels and fusion groups kernels: a kernel keeps
+    every input of the ops it covers; its buffer reuse gives some back); remat's peak over
+    its steps is at least those outside bytes plus the graph's op-by-op peak, so each term
+    bounds that graph's real peak. Adding the largest excess to the step's peak instead
+    over-counts when the graphs peak apart (tests/test_inductor_margin.py)."""
     from solvers.problem import StepKind
 
     excess = {g.graph: g.excess_bytes for g in generated}
@@ -361,9 +359,8 @@ def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
     need = peak_bytes + margin
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} does not hold under inductor: remat's plan at its "
-        f"smallest peak tried ({format_bytes(peak_bytes)}) gets {format_bytes(abs(margin))} "
-        f"{'more' if margin >= 0 else 'less'} from inductor's kernels (generated code vs op by "
-        f"op); the smallest reachable peak is "
+        f"smallest peak tried ({format_bytes(peak_bytes)}) gets {format_bytes(margin)} more from "
+        f"inductor's kernels (generated code vs op by op); the smallest reachable peak is "
         f"{format_bytes(need)}; raise the budget to at least {need} bytes, or use "
         "compiler='eager' (op by op, no fusion)", budget_bytes=budget_bytes, min_peak_bytes=need)
 
@@ -405,7 +402,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         if at_floor or replan >= MAX_REPLANS:
             partitioner.error = _refusal(budget_bytes, step.evaluation.peak_bytes, margin)
             raise partitioner.error
-        partitioner.budget = budget_bytes - worst
+        # a margin as large as the budget leaves nothing: the floor decides (below)
+        partitioner.budget = max(1, budget_bytes - worst)
         log.info("remat: inductor adds %d B to a plan peaking at %d B; replanning under %d B",
                  margin, step.evaluation.peak_bytes, partitioner.budget)
         try:
