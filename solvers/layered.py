@@ -39,7 +39,8 @@ import time
 
 from solvers.dp import fronts
 from solvers.base import WorkClock, finish
-from solvers.dp.solver import DPOptions, _cheapest, block_tables
+from solvers.dp.solver import DPOptions, _cheapest
+from solvers.dp.tables import block_tables
 from solvers.dp.structure import analyze
 from solvers.problem import Decision, Phase, Plan, Problem
 from solvers.registry import UnsupportedProblem

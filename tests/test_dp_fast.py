@@ -29,7 +29,7 @@ def locals_(draw, cascade: bool) -> Local:
 @given(data=st.data(), cascade=st.booleans(), n=st.integers(0, 60))
 def test_pruning_options_with_numpy_keeps_what_the_pairwise_loop_keeps(data, cascade, n):
     """Few distinct values per component: many ties and equal vectors, -inf terms."""
-    from solvers.dp.solver import _option_vector, _prune_options, _prune_plain
+    from solvers.dp.tables import _option_vector, _prune_options, _prune_plain
 
     opts = [Option((Decision.SAVE,) * k, data.draw(locals_(cascade)), None, False) for k in range(n)]
     ordered = sorted(opts, key=_option_vector)

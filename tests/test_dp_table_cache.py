@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-import solvers.dp.solver as dp
+import solvers.dp.tables as dp
 from solvers import UnsupportedProblem, builders, solve
 from solvers.dp import table_cache
 from test_layered import stack

@@ -1,6 +1,6 @@
 """Block tables of `dp` / `layers` kept on disk, so each architecture builds them once.
 
-A table depends only on its block signature (`solver._signature`), the configuration
+A table depends only on its block signature (`tables._signature`), the configuration
 limit and the code that builds it, so a file named by the hash of (source hash,
 signature, limit) holds the same table in any process. Building the large ones is the
 cold cost of deep models (GPT-2's 57,600-configuration attention block: ~40 cpu s,
@@ -48,7 +48,7 @@ _LOAD_ERRORS = (OSError, EOFError, pickle.UnpicklingError, AttributeError, Impor
 
 Entry = tuple[dict, int, int]
 """(compiled table, configurations enumerated, steps charged per configuration), as
-solver._TABLES holds it."""
+tables._TABLES holds it."""
 
 
 def enabled() -> bool:
