@@ -32,12 +32,13 @@ def _problem(solver: str = "dp"):
 
 
 def _count_builds(monkeypatch) -> list[int]:
-    """Replace dp._table by a wrapper that records the configurations of each build."""
+    """Replace dp._table by a wrapper that records the configurations of each table built
+    (one pass builds the tables of every block of one canonical form)."""
     built, table = [], dp._table
 
     def counted(*args, **kwargs):
         out = table(*args, **kwargs)
-        built.append(out[1])
+        built.extend(out[1] for _ in out[0])
         return out
 
     monkeypatch.setattr(dp, "_table", counted)

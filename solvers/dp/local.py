@@ -76,12 +76,17 @@ class BlockEvaluator:
     """Evaluates configurations of one block; configurations are tuples aligned with
     `block.values`."""
 
-    def __init__(self, problem: Problem, block: Block, fixed: frozenset[int] = frozenset()) -> None:
+    def __init__(self, problem: Problem, block: Block, fixed: frozenset[int] = frozenset(),
+                 prev_workspace: int | None = None) -> None:
         self.problem = problem
         self.block = block
         self.fixed = fixed
         """Decision values kept outside every block (structure.analyze's `fixed`):
         always on the device, counted in the static bytes."""
+        self.prev_workspace = (problem.nodes[block.prev].workspace_bytes
+                               if prev_workspace is None and block.prev is not None else prev_workspace or 0)
+        """Workspace of a_{b-1}'s recomputation (its node's unless given): it enters only
+        the n terms (the ROOT step), so tables.py evaluates with 0 and adds it after."""
         self.nodes = problem.nodes
         self.values = block.values
         self.local_roots = set(block.values)
@@ -220,7 +225,7 @@ class _Run:
                 if not nodes[i].recomputable:
                     raise InvalidLocal(i)
                 steps.append((NEST, i, static))
-                steps.append((ROOT, i, static + nodes[i].workspace_bytes))
+                steps.append((ROOT, i, static + self.ev.prev_workspace))
                 continue
             d = dec[i]
             if d is Decision.OFFLOAD:
