@@ -18,6 +18,7 @@ it. A result's peaks are max-plus forms `Terms` in these symbols.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from solvers.dp.structure import Block
@@ -126,12 +127,13 @@ class BlockEvaluator:
 
     def evaluate_modes(self, config: tuple[Decision, ...], modes_prev: tuple, delta: bool) -> dict:
         """{mode of a_{b-1}: evaluate(config, mode, delta), or the InvalidLocal it raises}
-        for every mode, replaying as few runs as possible: a run in which a dropped
-        a_{b-1} is never brought back (not touched) serves every mode. The dropped modes
-        differ only where a_{b-1} is brought back, so they give the same Local; SAVE
-        differs only in a_{b-1} being on the device, which nothing reads without bringing
-        a dropped a_{b-1} back, so its steps are the same plus the END read, and a_{b-1}'s
-        forward instance (ended at its last F_b read in the dropped run) lives to END."""
+        for every mode, replaying as few runs as possible. The modes differ only where
+        a_{b-1} is met: a dropped one is brought back there (its own steps, then on the
+        device), a saved one is on the device already, and every other step is the same.
+        So a run that raises for another value raises in every mode; a run in which a
+        dropped a_{b-1} is never brought back (not touched) serves every dropped mode,
+        and SAVE too (_held); a touched run gives SAVE's run without a_{b-1}'s steps
+        (_saved)."""
         dropped = [m for m in modes_prev if m in (Decision.RECOMPUTE, Decision.OFFLOAD)]
         out: dict = {}
         if self.block.prev is not None and dropped:
@@ -140,6 +142,8 @@ class BlockEvaluator:
                 steps = run.build(delta)
             except InvalidLocal as error:
                 out[dropped[0]] = error
+                if error.args[0] != self.block.prev:
+                    out.update((m, error) for m in modes_prev)
             else:
                 level = run.levels(steps, delta)
                 local = run.summarize(steps, level, delta)
@@ -148,6 +152,8 @@ class BlockEvaluator:
                     out.update((m, local) for m in dropped)
                     if Decision.SAVE in modes_prev:
                         out[Decision.SAVE] = self._held(run, steps, level, delta, local)
+                elif Decision.SAVE in modes_prev:
+                    out[Decision.SAVE] = self._saved(run, steps, level, delta)
         for mode in modes_prev:
             if mode not in out:
                 try:
@@ -165,6 +171,34 @@ class BlockEvaluator:
         held = [x + size if k > end else x for k, x in enumerate(level)]
         held.append(size)  # END: only a_{b-1}'s storage is read there
         return run.summarize([*steps, (END, self.block.prev, 0)], held, delta)
+
+    def _saved(self, run: _Run, steps: list, level: list[int], delta: bool) -> Local:
+        """The SAVE run's Local from a RECOMPUTE run that brought a_{b-1} back at step a
+        (NEST, ROOT; RECOMPUTE is always the first dropped mode: Problem.allowed): the
+        same steps without those two, and the same storages except a_{b-1}'s. The
+        dropped run holds its forward instance [0, e0] (last F_b read) and the
+        brought-back one [a + 1, e1] (every later read binds to it); the SAVE run holds
+        one storage from 0 to its last read, max(e0, e1 - 2) after the removal. So its
+        live bytes are the dropped run's plus a_{b-1} on (e0, a) when it is read after
+        being brought back, and equal elsewhere."""
+        a, r = run.prev_at, 2
+        assert steps[a][0] == NEST and run.mode_prev is Decision.RECOMPUTE
+        inst = run.instances
+        e0, e1 = inst.inst_end[0], inst.inst_end[inst.newest[self.block.prev]]
+        held = level[:a] + level[a + r:]
+        if e1 > a + 1:
+            size = self.nodes[self.block.prev].out_bytes
+            for k in range(e0 + 1, a):
+                held[k] += size
+        saved = copy.copy(run)
+        saved.touched = False
+
+        def moved(k: int) -> int:
+            return k - r if k >= a + r else min(k, a)
+
+        saved.mid, saved.post, saved.g_start = moved(run.mid), moved(run.post), moved(run.g_start)
+        saved.cascade = (moved(run.cascade[0]), moved(run.cascade[1]))
+        return saved.summarize(steps[:a] + steps[a + r:], held, delta)
 
 
 class _Run:
@@ -218,6 +252,7 @@ class _Run:
                 continue
             if i == self.prev:
                 self.touched = True
+                self.prev_at = len(steps)
                 on_device.add(i)
                 if self.mode_prev is Decision.OFFLOAD:
                     steps.append((REL, i, static))
@@ -293,6 +328,7 @@ class _Run:
                 st.new(i, k, node.out_bytes)
             else:
                 st.view(i, node.alias_of, k)
+        self.instances = st
         return st.storages()
 
     def summarize(self, steps: list[tuple[int, int, int]], level: list[int], delta: bool) -> Local:
