@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from itertools import accumulate
+from operator import add, itemgetter
 
 from solvers.dp.structure import Block
 from solvers.problem import Decision, Phase, Problem
@@ -97,6 +99,17 @@ class BlockEvaluator:
         self.reload_s = {v: problem.reload_s(v) for v in block.values}
         self.fwd_steps = tuple((FWD, f, s) for f, s in zip(block.forward_steps, block.static_forward))
         self.fwd_instances = self._forward_instances()
+        # Per node whose inputs a run examines (recomputed values, backward steps): the
+        # inputs that may be off the device (forward, not fixed: a fixed value is always
+        # on it) and those that may have a local instance (the replay ignores the rest).
+        # Filtering once here keeps the hot loops to the inputs that matter.
+        tracked = set(self.fwd_instances.newest) | self.local_roots
+        self.fwd_inputs: dict[int, tuple[int, ...]] = {}
+        self.reads: dict[int, tuple[int, ...]] = {}
+        for i in (*block.values, *block.backward_steps):
+            inputs = self.nodes[i].inputs
+            self.fwd_inputs[i] = tuple(j for j in inputs if self.nodes[j].phase is Phase.FORWARD and j not in fixed)
+            self.reads[i] = tuple(j for j in inputs if j in tracked)
 
     def _forward_instances(self) -> _Instances:
         """Instances and storages after F_b's steps. Forward reads bind to forward
@@ -211,7 +224,8 @@ class _Run:
         self.prev = ev.block.prev
         self.boundary = ev.block.boundary
         self.mode_prev = mode_prev
-        self.on_device = {v for v, d in dec.items() if d is Decision.SAVE} | ev.fixed
+        # fixed values are on the device too, but no run asks: ev.fwd_inputs leaves them out
+        self.on_device = {v for v, d in dec.items() if d is Decision.SAVE}
         if self.prev is not None and mode_prev is Decision.SAVE:
             self.on_device.add(self.prev)
         self.cost_s = sum(ev.store_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)
@@ -232,10 +246,10 @@ class _Run:
             self.post = len(steps)
             steps.append((POST, self.boundary, 0))
         self.g_start = len(steps)
-        nodes = self.nodes
+        fwd_inputs, on_device = self.ev.fwd_inputs, self.on_device
         for r, at, before in zip(block.backward_steps, block.static_backward, block.static_before):
-            for j in nodes[r].inputs:
-                if nodes[j].phase is Phase.FORWARD and j not in self.on_device:
+            for j in fwd_inputs[r]:
+                if j not in on_device:
                     self.bring_back(j, before, steps)
             steps.append((BWD, r, at))
         if self.prev is not None and block.prev_read_later and self.prev in self.on_device:
@@ -244,7 +258,7 @@ class _Run:
 
     def bring_back(self, root: int, static: int, steps: list[tuple[int, int, int]]) -> None:
         """simulate._bring_back, with a_{b-1} as an opaque (nested) cascade."""
-        nodes, on_device, dec = self.nodes, self.on_device, self.dec
+        nodes, on_device, dec, fwd_inputs = self.nodes, self.on_device, self.dec, self.ev.fwd_inputs
         stack = [(root, False)]
         while stack:
             i, expanded = stack.pop()
@@ -276,8 +290,8 @@ class _Run:
                 on_device.add(i)
                 continue
             stack.append((i, True))
-            for j in reversed(nodes[i].inputs):
-                if nodes[j].phase is Phase.FORWARD and j not in on_device:
+            for j in reversed(fwd_inputs[i]):
+                if j not in on_device:
                     stack.append((j, False))
 
     def levels(self, steps: list[tuple[int, int, int]], delta: bool) -> list[int]:
@@ -295,11 +309,8 @@ class _Run:
                 if lo <= hi:
                     diff[lo] -= size
                     diff[hi + 1] += size
-        level, live = [], 0
-        for k in range(len(steps)):
-            live += diff[k]
-            level.append(live)
-        return level
+        diff.pop()
+        return list(accumulate(diff))
 
     def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> list[tuple[int, int, int, int]]:
         """(bytes, first step, last step, owner node) of every local storage: an
@@ -307,13 +318,14 @@ class _Run:
         F_b's part is the evaluator's `fwd_instances`; the loop below is the rest (the
         hot loop of table building: reads inlined, and since steps only advance, a read
         at step k is the instance's latest so far)."""
-        nodes = self.nodes
+        nodes, reads = self.nodes, self.ev.reads
         st = self.ev.fwd_instances.copy()
-        newest, inst_end = st.newest, st.inst_end
+        newest, inst_end, inst_storage = st.newest, st.inst_end, st.inst_storage
+        s_bytes, s_start, s_owner = st.s_bytes, st.s_start, st.s_owner
         for k in range(len(self.ev.fwd_steps), len(steps)):
             kind, i, _ = steps[k]
             if kind == REC or kind == BWD:
-                for j in nodes[i].inputs:
+                for j in reads[i]:
                     inst = newest.get(j)
                     if inst is not None:
                         inst_end[inst] = k
@@ -324,25 +336,36 @@ class _Run:
             if kind in _NO_INSTANCE:
                 continue
             node = nodes[i]
-            if node.alias_of is None or kind == REL:
-                st.new(i, k, node.out_bytes)
+            if node.alias_of is None or kind == REL:  # st.new, inlined
+                newest[i] = len(inst_storage)
+                inst_storage.append(len(s_bytes))
+                inst_end.append(k)
+                s_bytes.append(node.out_bytes)
+                s_start.append(k)
+                s_owner.append(i)
             else:
                 st.view(i, node.alias_of, k)
         self.instances = st
         return st.storages()
 
     def summarize(self, steps: list[tuple[int, int, int]], level: list[int], delta: bool) -> Local:
-        n_fwd = len(self.ev.block.forward_steps)
-        peak_forward = max(s + level[k] for k, (_, _, s) in enumerate(steps[:n_fwd]))
+        n_fwd = len(self.ev.fwd_steps)
+        value = list(map(add, map(itemgetter(2), steps), level))  # static + local bytes per step
+        peak_forward = max(value[:n_fwd])
         keep = level[self.mid] if self.mid >= 0 else 0
+        # a_{b-1}'s nested cascade: NEST (the P step) then ROOT (the N step)
+        nest = self.prev_at if self.touched and steps[self.prev_at][0] == NEST else -1
         lo, hi = self.cascade
         cascade, net, freed, nested = None, 0, 0, False
         if hi > lo and self.dec[self.boundary] is Decision.RECOMPUTE:
             root = hi - 1  # a_b's own recompute step closes the cascade
-            cascade, nested = _terms(steps, level, lo, root, None, -keep)
+            nested = lo <= nest < root
+            cascade = _terms(value, lo, root, nest if nested else -1, "c", -keep)
             net = level[root] - keep
             freed = level[root] - level[self.post]
-        backward, _ = _terms(steps, level, self.g_start, len(steps), "nr" if nested else None, 0)
+        end = len(steps) - (steps[-1][0] == END)  # END is the last step, if any
+        backward = _terms(value, self.g_start, end, nest if nest >= self.g_start else -1,
+                          "nr" if nested else "c", 0)
         return Local(
             cost_s=self.cost_s,
             peak_forward=peak_forward,
@@ -398,32 +421,23 @@ class _Instances:
 
     def storages(self) -> list[tuple[int, int, int, int]]:
         end = [-1] * len(self.s_bytes)
-        for inst, s in enumerate(self.inst_storage):
-            end[s] = max(end[s], self.inst_end[inst])
+        for s, e in zip(self.inst_storage, self.inst_end):
+            if e > end[s]:
+                end[s] = e
         return list(zip(self.s_bytes, self.s_start, end, self.s_owner))
 
 
-def _terms(
-    steps: list[tuple[int, int, int]], level: list[int], lo: int, hi: int, start: str | None, shift: int
-) -> tuple[Terms, bool]:
-    """Max-plus form of the peak over steps[lo:hi]: steps before a_{b-1}'s nested cascade
-    are constants, its start adds P, its root step adds N, and the steps after add NR.
-    `start` forces every step into one symbol (e.g. "nr": the cascade already happened)."""
+def _terms(value: list[int], lo: int, hi: int, nest: int, start: str, shift: int) -> Terms:
+    """Max-plus form of the peak over steps lo..hi-1 (no pseudo steps there but a_{b-1}'s
+    NEST at `nest`, -1: none): steps before the nested cascade go to `start` ("c", or
+    "nr" when the cascade already happened), its NEST step adds P, its ROOT step (next)
+    adds N, and the steps after add NR."""
     best = {"c": NEG, "p": NEG, "n": NEG, "nr": NEG}
-    stage = start or "c"
-    nested = False
-    for k in range(lo, hi):
-        kind, _, static = steps[k]
-        value = static + level[k] + shift
-        if kind == NEST:
-            best["p"] = max(best["p"], value)
-            nested = True
-            continue
-        if kind == ROOT:
-            best["n"] = max(best["n"], value)
-            stage = "nr"
-            continue
-        if kind in _PSEUDO:
-            continue
-        best[stage] = max(best[stage], value)
-    return Terms(**best), nested
+    if nest < 0:
+        best[start] = max(value[lo:hi], default=NEG) + shift
+    else:
+        best[start] = max(value[lo:nest], default=NEG) + shift
+        best["p"] = value[nest] + shift
+        best["n"] = value[nest + 1] + shift
+        best["nr"] = max(best["nr"], max(value[nest + 2:hi], default=NEG) + shift)
+    return Terms(**best)
