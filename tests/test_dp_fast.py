@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from solvers import Decision, Phase
 from solvers.dp.fronts import Option
 from solvers.dp.local import NEG, InvalidLocal, Local, Terms
+from test_dp import feeder_chains  # random chains with non-recomputable values
 
 _SMALL = st.sampled_from([NEG, 0, 1, 2, 3, 5])
 
@@ -181,3 +182,75 @@ def test_stripped_prefixes_and_workspaces_keep_dp_equal_to_brute(budget):
             binds += ev.evaluate(config, mode, False).peak_forward + form.shift.forward_shift < form.shift.forward_floor
     assert binds >= 1
     assert_equals_brute(problem, solve(problem, "dp"))
+
+
+def _traced_problem(name: str):
+    import remat
+    from remat import zoo
+
+    case = zoo.build(name)
+    return remat.plan(case.model, case.args, case.kwargs, budget="100%", solver="none").problem
+
+
+@pytest.mark.parametrize("source", ["gpt2", "dropout-stack", "random"])
+def test_doomed_configurations_raise_in_every_mode_and_cascade(source):
+    """Configurations the tables skip as doomed: every replay (each mode of a_{b-1},
+    with and without the boundary's cascade) raises InvalidLocal; on GPT-2 (RNG replay:
+    non-recomputable generator states read by recomputed dropouts) the test fires. And
+    the test is exact: with a_{b-1} saved and no cascade, the others replay."""
+    from solvers import builders
+    from solvers.dp.configs import doomed_test, enumerate_configs
+    from solvers.dp.local import BlockEvaluator
+    from solvers.dp.structure import analyze
+
+    if source == "gpt2":
+        cases = [(red, fixed, blocks) for red, fixed, blocks in _layers_blocks(_traced_problem("gpt2"))][:1]
+    else:
+        problem = (builders.transformer(2, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=True)
+                   if source == "dropout-stack" else builders.random_dag(12, seed=5, skip_prob=0.3, view_prob=0.2))
+        cases = [(problem, frozenset(), analyze(problem).blocks)]
+    fired = 0
+    for problem, fixed, blocks in cases:
+        for block in blocks:
+            doomed = doomed_test(problem, block)
+            evaluator = BlockEvaluator(problem, block, fixed)
+            modes = problem.allowed(block.prev) if block.prev is not None else (None,)
+            configs = enumerate_configs(problem, block, 1 << 17)
+            first = Decision.SAVE if block.prev is not None else None
+            for config in configs[::max(1, len(configs) // 400)]:
+                if not doomed(config):  # then the plain run (a_{b-1} saved, no cascade) is valid
+                    evaluator.evaluate(config, first, False)
+                    continue
+                fired += 1
+                for delta in (False, True):
+                    out = evaluator.evaluate_modes(config, modes, delta)
+                    assert all(isinstance(out[m], InvalidLocal) for m in modes)
+    assert fired > 0 or source != "gpt2"
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_doomed_is_exactly_the_plain_run_failing_on_random_chains(data):
+    """Chains with non-recomputable values that backward may not read (so dropping them
+    is valid unless a recomputation needs them): doomed(config) holds exactly when the
+    plain run (a_{b-1} saved, no cascade) raises, and then every run raises."""
+    from solvers.dp.configs import doomed_test, enumerate_configs
+    from solvers.dp.local import BlockEvaluator
+    from solvers.dp.structure import analyze
+
+    problem = data.draw(feeder_chains())
+    for block in analyze(problem).blocks:
+        doomed = doomed_test(problem, block)
+        evaluator = BlockEvaluator(problem, block)
+        modes = problem.allowed(block.prev) if block.prev is not None else (None,)
+        first = Decision.SAVE if block.prev is not None else None
+        for config in enumerate_configs(problem, block, 1 << 12):
+            try:
+                evaluator.evaluate(config, first, False)
+            except InvalidLocal:
+                assert doomed(config)
+                for delta in (False, True):
+                    out = evaluator.evaluate_modes(config, modes, delta)
+                    assert all(isinstance(out[m], InvalidLocal) for m in modes)
+            else:
+                assert not doomed(config)

@@ -108,3 +108,36 @@ def _save_dominated(problem: Problem, block: Block,
     return out
 
 
+
+
+def doomed_test(problem: Problem, block: Block):
+    """A test of configurations every replay of which raises InvalidLocal, whatever a_{b-1}'s
+    mode and the boundary's cascade: a non-recomputable value set RECOMPUTE (it then means
+    "drop") that the block's backward needs. Needed: read by a backward step of G_b, or
+    read by a needed RECOMPUTE value (the replay brings back every input of a value it
+    recomputes that is not on the device; what it reloads it does not expand). The replay
+    meets such a value with nothing to bring it back from and raises. Tables skip these
+    configurations (they add no option) but count them, so the clock and the limit are
+    charged as before. GPT-2's attention block with RNG replay: 33,600 of 57,600 (a
+    dropped generator state read by a recomputed dropout)."""
+    nodes = problem.nodes
+    values = block.values
+    inside = set(values)
+    droppable = [k for k, v in enumerate(values) if not nodes[v].recomputable]
+    read = {j for r in block.backward_steps for j in nodes[r].inputs if j in inside}
+    inputs = {v: tuple(j for j in nodes[v].inputs if j in inside) for v in values}
+    order = list(reversed(range(len(values))))  # readers (higher ids) before their inputs
+
+    def doomed(config: tuple[Decision, ...]) -> bool:
+        if not any(config[k] is Decision.RECOMPUTE for k in droppable):
+            return False
+        needed = set(read)
+        for k in order:
+            v = values[k]
+            if v in needed and config[k] is Decision.RECOMPUTE:
+                if not nodes[v].recomputable:
+                    return True
+                needed.update(inputs[v])
+        return False
+
+    return doomed

@@ -16,7 +16,7 @@ import numpy as np
 
 from solvers.base import WorkClock
 from solvers.dp import fronts, table_cache
-from solvers.dp.configs import enumerate_configs
+from solvers.dp.configs import doomed_test, enumerate_configs
 from solvers.dp.fronts import DROPPED, Option
 from solvers.dp.local import BlockEvaluator, InvalidLocal, Local
 from solvers.dp.structure import Block, BlockSequence
@@ -210,6 +210,7 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
     and only the kept ones get a shifted Local."""
     evaluator = BlockEvaluator(problem, block, fixed, prev_workspace=0)
     configs = enumerate_configs(problem, block, limit)
+    doomed = doomed_test(problem, block)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: list[dict[tuple, list]] = [{} for _ in shifts]
     for k, config in enumerate(configs):
@@ -219,6 +220,8 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
             raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
                                      f"({len(configs)} configurations); raise time_limit_s or use 'ilp'",
                                      work_s=clock.spent_s)
+        if doomed(config):
+            continue  # every replay raises InvalidLocal: no option
         mode_b = config[-1] if block.boundary is not None else None
         deltas = (False, True) if mode_b in DROPPED else (False,)
         by_delta = {delta: evaluator.evaluate_modes(config, modes_prev, delta) for delta in deltas}
