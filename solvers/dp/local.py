@@ -298,8 +298,13 @@ class _Run:
         """Local live bytes at each step (simulate._account restricted to this block's
         storages and a_{b-1}; a_b is left out between MID and POST, where block b+1
         counts it)."""
+        st = self.lifetimes(steps, delta)
+        end = [-1] * len(st.s_bytes)  # a storage lives until its last instance does
+        for s, e in zip(st.inst_storage, st.inst_end):
+            if e > end[s]:
+                end[s] = e
         diff = [0] * (len(steps) + 1)
-        for size, a, e, owner in self.lifetimes(steps, delta):
+        for size, a, e, owner in zip(st.s_bytes, st.s_start, end, st.s_owner):
             if not size or e < a:
                 continue
             diff[a] += size
@@ -312,9 +317,8 @@ class _Run:
         diff.pop()
         return list(accumulate(diff))
 
-    def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> list[tuple[int, int, int, int]]:
-        """(bytes, first step, last step, owner node) of every local storage: an
-        instance lives until its last read, a storage until its last instance does.
+    def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> _Instances:
+        """Every local instance and storage, each instance ending at its last read.
         F_b's part is the evaluator's `fwd_instances`; the loop below is the rest (the
         hot loop of table building: reads inlined, and since steps only advance, a read
         at step k is the instance's latest so far)."""
@@ -346,7 +350,7 @@ class _Run:
             else:
                 st.view(i, node.alias_of, k)
         self.instances = st
-        return st.storages()
+        return st
 
     def summarize(self, steps: list[tuple[int, int, int]], level: list[int], delta: bool) -> Local:
         n_fwd = len(self.ev.fwd_steps)
@@ -418,13 +422,6 @@ class _Instances:
         inst = self.newest.get(j)
         if inst is not None and self.inst_end[inst] < k:
             self.inst_end[inst] = k
-
-    def storages(self) -> list[tuple[int, int, int, int]]:
-        end = [-1] * len(self.s_bytes)
-        for s, e in zip(self.inst_storage, self.inst_end):
-            if e > end[s]:
-                end[s] = e
-        return list(zip(self.s_bytes, self.s_start, end, self.s_owner))
 
 
 def _terms(value: list[int], lo: int, hi: int, nest: int, start: str, shift: int) -> Terms:
