@@ -23,32 +23,15 @@ import dataclasses
 from itertools import accumulate
 from operator import add, itemgetter
 
+# NEG and Terms are re-exported: fronts.py and the tests take them from here
+from solvers.dp.steps import (BWD, END, FWD, MID, NEG, NEST, NO_INSTANCE, POST, REC, REL, ROOT,  # noqa: F401
+                              Instances, Terms, terms)
 from solvers.dp.structure import Block
 from solvers.problem import Decision, Phase, Problem
-
-NEG = float("-inf")
-
-# Step kinds of the local step list.
-FWD, REC, REL, BWD, MID, POST, NEST, ROOT, END = range(9)
-_PSEUDO = (MID, POST, NEST, END)
-_NO_INSTANCE = frozenset((BWD, MID, POST, NEST, END))
 
 
 class InvalidLocal(Exception):
     """The configuration drops a non-recomputable value that is needed (a PlanError)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Terms:
-    """max(c, p + P, n + N, nr + NR) for the previous boundary's cascade summary."""
-
-    c: float = NEG
-    p: float = NEG
-    n: float = NEG
-    nr: float = NEG
-
-    def at(self, p_in: float, n_in: float, nr_in: float) -> float:
-        return max(self.c, self.p + p_in, self.n + n_in, self.nr + nr_in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +106,12 @@ class BlockEvaluator:
                 inert.append((BWD, r, at))
         self.g_tail = tuple(inert)
 
-    def _forward_instances(self) -> _Instances:
+    def _forward_instances(self) -> Instances:
         """Instances and storages after F_b's steps. Forward reads bind to forward
         instances whatever the configuration, so this prefix of every run's `lifetimes`
         is built once (runs copy it: the backward part extends its instances)."""
         nodes, prev = self.nodes, self.block.prev
-        st = _Instances()
+        st = Instances()
         if prev is not None:  # its forward instance: alive from the start while read
             st.new(prev, 0, nodes[prev].out_bytes)
             st.inst_end[0] = -1
@@ -342,7 +325,7 @@ class _Run:
         diff.pop()
         return list(accumulate(diff))
 
-    def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> _Instances:
+    def lifetimes(self, steps: list[tuple[int, int, int]], delta: bool) -> Instances:
         """Every local instance and storage, each instance ending at its last read.
         F_b's part is the evaluator's `fwd_instances`; the loop below is the rest (the
         hot loop of table building: reads inlined, only the `active` steps (the others
@@ -363,7 +346,7 @@ class _Run:
                 inst = newest.get(i)
                 if inst is not None:
                     inst_end[inst] = k
-            if kind in _NO_INSTANCE:
+            if kind in NO_INSTANCE:
                 continue
             node = nodes[i]
             if node.alias_of is None or kind == REL:  # st.new, inlined
@@ -390,11 +373,11 @@ class _Run:
         if hi > lo and self.dec[self.boundary] is Decision.RECOMPUTE:
             root = hi - 1  # a_b's own recompute step closes the cascade
             nested = lo <= nest < root
-            cascade = _terms(value, lo, root, nest if nested else -1, "c", -keep)
+            cascade = terms(value, lo, root, nest if nested else -1, "c", -keep)
             net = level[root] - keep
             freed = level[root] - level[self.post]
         end = len(steps) - (steps[-1][0] == END)  # END is the last step, if any
-        backward = _terms(value, self.g_start, end, nest if nest >= self.g_start else -1,
+        backward = terms(value, self.g_start, end, nest if nest >= self.g_start else -1,
                           "nr" if nested else "c", 0)
         return Local(
             cost_s=self.cost_s,
@@ -407,60 +390,3 @@ class _Run:
             cascade_nested=nested,
             cascade_freed=freed,
         )
-
-
-class _Instances:
-    """Instances and storages as simulate._account keeps them (reads bind to the
-    newest instance; a view shares its base's storage)."""
-
-    def __init__(self) -> None:
-        self.newest: dict[int, int] = {}
-        self.inst_storage: list[int] = []
-        self.inst_end: list[int] = []
-        self.s_bytes: list[int] = []
-        self.s_start: list[int] = []
-        self.s_owner: list[int] = []
-
-    def new(self, i: int, k: int, size: int) -> None:
-        self.newest[i] = len(self.inst_storage)
-        self.inst_storage.append(len(self.s_bytes))
-        self.inst_end.append(k)
-        self.s_bytes.append(size)
-        self.s_start.append(k)
-        self.s_owner.append(i)
-
-    def view(self, i: int, base: int, k: int) -> None:
-        if base not in self.newest:  # a view of a parameter or input: no local storage
-            self.newest.pop(i, None)
-            return
-        self.newest[i] = len(self.inst_storage)
-        self.inst_storage.append(self.inst_storage[self.newest[base]])
-        self.inst_end.append(k)
-
-    def copy(self) -> _Instances:
-        out = _Instances.__new__(_Instances)
-        out.newest = dict(self.newest)
-        out.inst_storage, out.inst_end = list(self.inst_storage), list(self.inst_end)
-        out.s_bytes, out.s_start, out.s_owner = list(self.s_bytes), list(self.s_start), list(self.s_owner)
-        return out
-
-    def read(self, j: int, k: int) -> None:
-        inst = self.newest.get(j)
-        if inst is not None and self.inst_end[inst] < k:
-            self.inst_end[inst] = k
-
-
-def _terms(value: list[int], lo: int, hi: int, nest: int, start: str, shift: int) -> Terms:
-    """Max-plus form of the peak over steps lo..hi-1 (no pseudo steps there but a_{b-1}'s
-    NEST at `nest`, -1: none): steps before the nested cascade go to `start` ("c", or
-    "nr" when the cascade already happened), its NEST step adds P, its ROOT step (next)
-    adds N, and the steps after add NR."""
-    best = {"c": NEG, "p": NEG, "n": NEG, "nr": NEG}
-    if nest < 0:
-        best[start] = max(value[lo:hi], default=NEG) + shift
-    else:
-        best[start] = max(value[lo:nest], default=NEG) + shift
-        best["p"] = value[nest] + shift
-        best["n"] = value[nest + 1] + shift
-        best["nr"] = max(best["nr"], max(value[nest + 2:hi], default=NEG) + shift)
-    return Terms(**best)
