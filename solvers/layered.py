@@ -39,7 +39,8 @@ import time
 
 from solvers.dp import fronts
 from solvers.base import WorkClock, finish
-from solvers.dp.solver import DPOptions, _cheapest, block_tables
+from solvers.dp.solver import DPOptions, _cheapest
+from solvers.dp.tables import block_tables
 from solvers.dp.structure import analyze
 from solvers.problem import Decision, Phase, Plan, Problem
 from solvers.registry import UnsupportedProblem
@@ -56,10 +57,10 @@ class LayersOptions(DPOptions):
     max_block_configs: int = 1 << 17
     """Largest block enumerated (dp's default is 2^14). Traced transformers with dropout
     replay have attention blocks of 57,600 (GPT-2) and 95,040 (LLaMA) configurations
-    after dp's exact pruning: building such a table takes about 0.3-1 ms per
-    configuration and context of a_{b-1} on one core (GPT-2-12: 30-100 CPU s cold, two
-    attention tables), once per process for every depth and budget. `auto` passes its
-    own, smaller limit (AutoOptions.layers_max_block_configs)."""
+    after dp's exact pruning: one pass over such a block (layer 0's table comes with
+    the others', dp/tables.py) takes about 5 (GPT-2) and 20 (LLaMA) CPU s cold on one
+    core, once per process (and then on disk) for every depth and budget. `auto` passes
+    its own, smaller limit (AutoOptions.layers_max_block_configs)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from solvers import Decision, Node, Phase, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
 from solvers import builders
-from solvers.dp.solver import block_tables, predict
+from solvers.dp.solver import predict
+from solvers.dp.tables import block_tables
 from solvers.dp.local import InvalidLocal
 from solvers.dp.structure import analyze
 from oracles import REL, assert_equals_brute
@@ -200,7 +201,7 @@ def test_dp_options_are_documented_and_frozen():
 
 
 def _fires(problem: Problem) -> bool:
-    from solvers.dp.solver import _save_dominated
+    from solvers.dp.configs import _save_dominated
 
     readers = set(problem.needed_ids)
     return any(_save_dominated(problem, b, readers) for b in analyze(problem).blocks)
@@ -246,7 +247,7 @@ def test_save_dominance_keeps_dp_equal_to_brute(problem):
 
 
 def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
-    from solvers.dp.solver import _save_dominated, enumerate_configs
+    from solvers.dp.configs import _save_dominated, enumerate_configs
 
     problem = builders.transformer(2, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=True)
     seq = analyze(problem)
@@ -254,7 +255,7 @@ def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
     block = max(seq.blocks, key=lambda b: len(enumerate_configs(problem, b, 1 << 20)))
     assert _save_dominated(problem, block, readers)
     pruned = enumerate_configs(problem, block, 1 << 20)
-    import solvers.dp.solver as dp
+    import solvers.dp.configs as dp
     original = dp._save_dominated
     try:
         dp._save_dominated = lambda *_: []
@@ -275,7 +276,7 @@ def test_one_replay_for_every_mode_of_an_untouched_boundary_equals_a_replay_per_
     """evaluate_modes derives the other modes of a_{b-1} from one run that never brings a
     dropped a_{b-1} back; every Local (or InvalidLocal) equals evaluate's, mode by mode."""
     from solvers.dp.local import BlockEvaluator
-    from solvers.dp.solver import enumerate_configs
+    from solvers.dp.configs import enumerate_configs
 
     problem = make()
     derived = 0

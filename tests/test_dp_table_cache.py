@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-import solvers.dp.solver as dp
+import solvers.dp.tables as dp
 from solvers import UnsupportedProblem, builders, solve
 from solvers.dp import table_cache
 from test_layered import stack
@@ -32,12 +32,13 @@ def _problem(solver: str = "dp"):
 
 
 def _count_builds(monkeypatch) -> list[int]:
-    """Replace dp._table by a wrapper that records the configurations of each build."""
+    """Replace dp._table by a wrapper that records the configurations of each table built
+    (one pass builds the tables of every block of one canonical form)."""
     built, table = [], dp._table
 
     def counted(*args, **kwargs):
         out = table(*args, **kwargs)
-        built.append(out[1])
+        built.extend(out[1] for _ in out[0])
         return out
 
     monkeypatch.setattr(dp, "_table", counted)

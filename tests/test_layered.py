@@ -139,7 +139,7 @@ def test_a_large_shared_value_costs_a_gap_not_a_wrong_bound():
 def test_shared_block_tables_charge_the_clock_as_building_them_did():
     """Tables are reused across solves; the deterministic clock is charged the same, so a
     limit cuts the same search whether or not the tables were cached."""
-    import solvers.dp.solver as dp
+    import solvers.dp.tables as dp
 
     problem = builders.with_budget_fraction(builders.transformer(3, seq=64, d_model=64, n_heads=2, vocab=64), 0.6)
     dp._TABLES.clear()

@@ -1,10 +1,10 @@
 """Block tables of `dp` / `layers` kept on disk, so each architecture builds them once.
 
-A table depends only on its block signature (`solver._signature`), the configuration
+A table depends only on its block signature (`tables._signature`), the configuration
 limit and the code that builds it, so a file named by the hash of (source hash,
 signature, limit) holds the same table in any process. Building the large ones is the
-cold cost of deep models (GPT-2's 57,600-configuration attention block: ~40 cpu s,
-LLaMA-32: ~170 cpu s); reading one back takes well under a second.
+cold cost of deep models (one pass over GPT-2's 57,600-configuration attention block:
+~5 cpu s, LLaMA's 95,040: ~20 cpu s); reading one back takes well under a second.
 
 Only tables of at least MIN_CONFIGS configurations are written (smaller ones are
 rebuilt faster than a file is worth, and tests on small problems write nothing). The
@@ -36,7 +36,8 @@ ENABLE_ENV = "REMAT_DP_TABLE_CACHE"
 SUBDIR = "dp-tables"
 MIN_CONFIGS = 4096
 """Smallest table (configurations enumerated) worth a file: building 4,096
-configurations of a GPT-2 block costs about a second, reading a file milliseconds."""
+configurations of a GPT-2 block costs a few tenths of a second, reading a file
+milliseconds."""
 
 _SOURCES = ("dp/*.py", "problem.py", "simulate.py")
 """The code a table depends on (relative to solvers/): a change to any of it changes
@@ -48,7 +49,7 @@ _LOAD_ERRORS = (OSError, EOFError, pickle.UnpicklingError, AttributeError, Impor
 
 Entry = tuple[dict, int, int]
 """(compiled table, configurations enumerated, steps charged per configuration), as
-solver._TABLES holds it."""
+tables._TABLES holds it."""
 
 
 def enabled() -> bool:
