@@ -367,9 +367,9 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
   outputs of non-pointwise ops (matmuls, reductions, placeholders). So its cost is those
   input bytes over the bandwidth, and recomputing a GELU or a dropout-free residual chain
   costs memory traffic, not a kernel. Matmuls, convolutions, reductions and extern kernels
-  keep the eager roofline. Saving a fusible
-  value costs traffic that recomputing it does not; under this model that enters after
-  the solver, through a greedy pass (`remat.fusion`).
+  keep the eager roofline. Saving a fusible value costs traffic that recomputing it does
+  not; under this model that enters after the solver, through a greedy pass
+  (`remat.fusion`).
 - ``"compiled-traffic"``: the same recompute costs, and the traffic of saving in the
   objective itself: a saved pointwise value that the backward reads costs 2 x its bytes
   over the bandwidth (written in the forward, read back in the backward; recomputed, it
@@ -377,8 +377,8 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
   objective and `simulate`'s cost then include it; `dp`/`layers` decline such problems
   (their tables count recompute seconds only), so `auto` uses `ilp`. The default of
   `remat.backend` (inductor): at torch.compile's 0.5 point its plans ran GPT-2 tiny's
-  step at 0.99x torch.compile's against 1.08x under "compiled", LLaMA tiny's at 1.07x
-  against 1.08x (bench/compiled_pairs.py, README).
+  step (dropout on) at 0.96-1.00x torch.compile's against 1.08x under "compiled", and
+  LLaMA tiny's at 1.06-1.09x against 1.08x (bench/compiled_pairs.py, bench/README.md).
 
 Under inductor both compiled models also price inductor's random draws as measured on
 this machine (`remat.frontend.inductor_random`): per element, not as traffic, and once
