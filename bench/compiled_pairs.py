@@ -18,7 +18,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,14 +43,6 @@ def _peak(prepared: compare.Prepared) -> int:
     return measure_step_profiler(prepared.step, register=compare._register(prepared.case)).peak_bytes
 
 
-def _timed(prepared: compare.Prepared) -> float:
-    prepared.case.model.zero_grad(set_to_none=True)
-    gc.collect()
-    started = time.perf_counter()
-    prepared.step()
-    return time.perf_counter() - started
-
-
 def pair(model: str, size: str, budget: float, pairs: int, **options) -> dict:
     """`options`: more `remat.backend` arguments."""
     torch._dynamo.reset()
@@ -60,8 +51,8 @@ def pair(model: str, size: str, budget: float, pairs: int, **options) -> dict:
     remat = compiled.prepare_remat_inductor(zoo.build(model, size=size), torch_peak, **options)
     remat_peak = _peak(remat)
     for _ in range(3):
-        _timed(ours), _timed(remat)
-    times = [(_timed(ours), _timed(remat)) for _ in range(pairs)]
+        compare._timed(ours), compare._timed(remat)
+    times = [(compare._timed(ours), compare._timed(remat)) for _ in range(pairs)]
     return {
         "model": model, "budget": budget, "torch_peak": torch_peak, "remat_peak": remat_peak,
         "remat_predicted": remat.predicted_peak_bytes,
