@@ -158,7 +158,14 @@ def _released_tangents(joint: fx.GraphModule) -> frozenset[str]:
     the logits' 262,144 B zero tangent is freed after the first kernel; held to the end,
     the prediction was 5,641,488 B against 5,379,344 B measured, exactly its bytes over."""
     return frozenset(n.name for n in joint.graph.find_nodes(op="placeholder")
-                     if n.name.startswith("tangents") and (val := tensor_val(n)) is not None and val.numel() > 1)
+                     if n.name.startswith("tangents") and tensor_val(n) is not None and not is_loss_seed(n))
+
+
+def is_loss_seed(node: fx.Node) -> bool:
+    """Whether `node` is a tangent its caller holds through the whole backward: the seed
+    of `loss.backward()`, one element (see `_released_tangents`)."""
+    val = tensor_val(node)
+    return node.name.startswith("tangents") and (val is None or val.numel() <= 1)
 
 
 def _tensor_inputs(node: fx.Node, items: Mapping[str, _Item]) -> tuple[str, ...]:

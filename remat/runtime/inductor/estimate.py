@@ -96,12 +96,10 @@ def uncounted_inputs(gm: fx.GraphModule, views: frozenset[str] = frozenset()) ->
     """Inputs both accountings leave out: `NOT_COUNTED_INPUTS`, the loss's seed (a tangent
     of at most one element), and `views` (see `input_views`: their storage is a
     parameter's, which the graph never frees)."""
-    def seed(n: fx.Node) -> bool:
-        val = n.meta.get("val")
-        return n.name.startswith("tangents") and (not isinstance(val, torch.Tensor) or val.numel() <= 1)
+    from remat.frontend.problem import is_loss_seed
 
     return frozenset(n.name for n in gm.graph.nodes if n.op == "placeholder"
-                     and (n.name.startswith(NOT_COUNTED_INPUTS) or seed(n) or n.name in views))
+                     and (n.name.startswith(NOT_COUNTED_INPUTS) or is_loss_seed(n) or n.name in views))
 
 
 def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset()) -> int:
