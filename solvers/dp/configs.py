@@ -141,3 +141,101 @@ def doomed_test(problem: Problem, block: Block):
         return False
 
     return doomed
+
+
+def save_instead_test(problem: Problem, block: Block):
+    """A function of a configuration X: a configuration Y that is never worse than X in
+    any component of the option vector (so the table keeps the same options without X),
+    or None. Y saves a value c that X recomputes, where backward always needs c and X
+    recomputes it from values only c's recomputation reads (`private`: the RECOMPUTE
+    ones C, the SAVE ones V, V of at least c's bytes); Y is X with c, C and V SAVE (C
+    and V then never needed: enumerate_configs fixes them to SAVE; Y is required to
+    pass the _save_dominated rules, so Y is enumerated).
+
+    Why Y is never worse: X's schedule is Y's plus C and c recomputed at c's first need
+    (nothing else is brought back: C and c read only values on the device, never
+    a_{b-1}; a_{b-1} is touched or not alike, the same outcome key). Cost: more by
+    their recompute seconds (> 0). Bytes at each step of Y: before c's forward step X
+    holds V at least as long; from there until c's recomputation X holds V (and c
+    until its last forward read) where Y holds c, at least as many bytes; after it
+    both hold c and V is freed (its last read was the recomputation); values C and c
+    read but do not own live at least as long in X. So X's peaks and kept bytes are
+    no lower. The cascade's terms are rises above the kept bytes; when the boundary's
+    cascade may recompute c (a RECOMPUTE path from the boundary), X's rises after c's
+    recomputation stay no lower only if X keeps no more bytes than Y, so then V must
+    have exactly c's bytes and every other SAVE value read must be read in G_b (held
+    past the cascade in Y as well). Otherwise the bytes X holds and Y does not only
+    grow during the cascade, so its rises are no lower either. LLaMA's attention block:
+    52,800 of 95,040 configurations (its rotary chains recomputed from a saved input)."""
+    nodes, values = problem.nodes, block.values
+    at = {v: k for k, v in enumerate(values)}
+    viewed = {n.alias_of for n in nodes if n.alias_of is not None}
+    outputs = {problem.storage_of[j] for j in problem.outputs}
+    plain = [v != block.boundary and v not in viewed and v not in outputs and nodes[v].alias_of is None
+             for v in values]
+    ins = [tuple(at[j] for j in dict.fromkeys(nodes[v].inputs) if j in at) for v in values]
+    users = [frozenset(at.get(u, -1) for u in problem.users[v]) for v in values]  # -1: outside the block
+    read = [at[j] for r in block.backward_steps for j in dict.fromkeys(nodes[r].inputs) if j in at]
+    read_set = set(read)
+    size = [nodes[v].out_bytes for v in values]
+    # a value C may hold: plain, recomputable, not reading a_{b-1}
+    ok = [plain[k] and nodes[v].recomputable and block.prev not in nodes[v].inputs for k, v in enumerate(values)]
+    candidates = [k for k, v in enumerate(values) if ok[k] and nodes[v].compute_s > 0]
+    boundary = [at[block.boundary]] if block.boundary is not None else []
+    by_backward = {j for r in problem.backward_ids for j in nodes[r].inputs if j in at}
+    rules = [(at[v], at[c], tuple(at[u] for u in others))
+             for v, c, others in _save_dominated(problem, block, by_backward)]
+    R, S = Decision.RECOMPUTE, Decision.SAVE
+
+    def recomputed(config: tuple[Decision, ...], roots: list[int]) -> set[int]:
+        """The RECOMPUTE values bringing `roots` back recomputes."""
+        out: set[int] = set()
+        stack = [k for k in roots if config[k] is R]
+        while stack:
+            k = stack.pop()
+            if k not in out:
+                out.add(k)
+                stack.extend(j for j in ins[k] if config[j] is R)
+        return out
+
+    def private(config: tuple[Decision, ...], c: int) -> tuple[set[int], set[int], set[int]] | None:
+        """(C with c, V, the other SAVE values read) of recomputing c, or None if a
+        RECOMPUTE value read is not private or a value read is offloaded."""
+        C, V, stack = {c}, set(), [c]
+        while stack:
+            for j in ins[stack.pop()]:
+                if config[j] is S:
+                    V.add(j)
+                elif config[j] is not R or not ok[j]:
+                    return None
+                elif j not in C:
+                    C.add(j)
+                    stack.append(j)
+        if any(not users[k] <= C for k in C if k != c):
+            return None
+        mine = {j for j in V if plain[j] and users[j] <= C}
+        return C, mine, V - mine
+
+    def better(config: tuple[Decision, ...]) -> tuple[Decision, ...] | None:
+        needed = cascade = None
+        for c in candidates:
+            if config[c] is not R:
+                continue
+            found = private(config, c)
+            if found is None or sum(size[j] for j in found[1]) < size[c]:
+                continue
+            needed = recomputed(config, read) if needed is None else needed
+            if c not in needed:
+                continue
+            if sum(size[j] for j in found[1]) != size[c] or not found[2] <= read_set:
+                cascade = recomputed(config, boundary) if cascade is None else cascade
+                if c in cascade:
+                    continue
+            region = found[0] | found[1]
+            y = tuple(S if k in region else d for k, d in enumerate(config))
+            if any(y[v] is S and y[c] is R and all(y[u] is S for u in others) for v, c, others in rules):
+                continue  # Y is not enumerated (c is such a rule's v): keep X
+            return y
+        return None
+
+    return better
