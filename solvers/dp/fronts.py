@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from solvers.dp.local import NEG, Local
+from solvers.dp.pareto import beam_front, pareto  # noqa: F401 (pareto: tables.py takes it from here)
 from solvers.problem import Decision
 
 DROPPED = (Decision.RECOMPUTE, Decision.OFFLOAD)
 _NO_CASCADE = (NEG, 0, 0)
-_CHUNK = 512
 
 # Columns of a front.
 COST, K, P, N, NR, PEAK = range(6)
@@ -329,9 +329,12 @@ def _prune(parts: dict, options: list[Option], min_peak: bool, beam: int = 0,
         x = np.concatenate([p[0] for p in pieces])
         parent = np.concatenate([p[1] for p in pieces])
         option = np.concatenate([p[2] for p in pieces])
-        idx = pareto(x[:, dims[:5]], x[:, dims])
-        if score is not None and len(idx) > beam:
-            idx = idx[np.argsort(score(key, x[idx]), kind="stable")[:beam]]
+        if score is not None and not min_peak:
+            idx = beam_front(x[:, dims], score(key, x), beam)
+        else:
+            idx = pareto(x[:, dims[:5]], x[:, dims])
+            if score is not None and len(idx) > beam:
+                idx = idx[np.argsort(score(key, x[idx]), kind="stable")[:beam]]
         ids = np.arange(total, total + len(idx), dtype=np.int64)
         total += len(idx)
         parents.append(parent[idx])
@@ -340,67 +343,6 @@ def _prune(parts: dict, options: list[Option], min_peak: bool, beam: int = 0,
     if not parents:
         return {}, _Layer(np.zeros(0, np.int64), np.zeros(0, np.int64), options)
     return fronts, _Layer(np.concatenate(parents), np.concatenate(chosen), options)
-
-
-def pareto(x: np.ndarray, order_by: np.ndarray | None = None) -> np.ndarray:
-    """Indices of the rows of `x` no other row weakly dominates (all columns <=); of
-    equal rows the first in lexicographic order of `order_by` (whose first columns are
-    those of `x`) is kept."""
-    order_by = x if order_by is None else order_by
-    lo, hi = x.min(axis=0), x.max(axis=0)
-    varying = [c for c in range(x.shape[1]) if lo[c] != hi[c]]
-    if len(varying) <= 2:
-        return _pareto_2d(x[:, varying], order_by)
-    # A 2-D sweep within each group of rows equal outside the first two varying
-    # columns (cheap, removes most rows), then the full test on the survivors.
-    head, rest = varying[:2], varying[2:]
-    keys = tuple(order_by[:, c] for c in reversed(range(order_by.shape[1])))
-    order = np.lexsort(keys + tuple(x[:, c] for c in reversed(rest)))
-    xs = x[order]
-    new_group = np.ones(len(xs), bool)
-    new_group[1:] = (xs[1:, rest] != xs[:-1, rest]).any(axis=1)
-    _, rank = np.unique(xs[:, head[1]], return_inverse=True)
-    # Offsetting each group below all earlier ones makes one running minimum per group.
-    adjusted = rank.astype(np.int64) - np.cumsum(new_group) * (len(xs) + 1)
-    best = np.minimum.accumulate(adjusted)
-    keep = np.ones(len(xs), bool)
-    keep[1:] = adjusted[1:] < best[:-1]
-    survivors = order[keep]
-    return survivors[_pareto_nd(x[survivors], order_by[survivors])]
-
-
-def _pareto_2d(x: np.ndarray, order_by: np.ndarray) -> np.ndarray:
-    order = np.lexsort(order_by.T[::-1])
-    if x.shape[1] == 0:
-        return order[:1]
-    if x.shape[1] == 1:
-        return order[x[order, 0] == x[:, 0].min()][:1]
-    a = x[order]
-    # Rows come by increasing first column (ties: by order_by); keep strict improvements.
-    best = np.minimum.accumulate(a[:, 1])
-    keep = np.ones(len(a), bool)
-    keep[1:] = a[1:, 1] < best[:-1]
-    return order[keep]
-
-
-def _pareto_nd(x: np.ndarray, order_by: np.ndarray) -> np.ndarray:
-    order = np.lexsort(order_by.T[::-1])
-    xs = x[order]
-    kept = np.empty((0, x.shape[1]))
-    kept_idx = []
-    for lo in range(0, len(xs), _CHUNK):
-        chunk = xs[lo:lo + _CHUNK]
-        alive = np.arange(len(chunk))
-        if len(kept):
-            dominated = (kept[None, :, :] <= chunk[:, None, :]).all(-1).any(-1)
-            alive = alive[~dominated]
-        sub = chunk[alive]
-        # Only an earlier row (lexicographically smaller) can weakly dominate a later one.
-        mutual = np.tril((sub[None, :, :] <= sub[:, None, :]).all(-1), -1).any(-1)
-        alive = alive[~mutual]
-        kept = np.concatenate([kept, chunk[alive]])
-        kept_idx.append(order[lo + alive])
-    return np.concatenate(kept_idx) if kept_idx else np.zeros(0, np.int64)
 
 
 def _backtrack(fronts: dict, layers: list[_Layer], min_peak: bool) -> tuple[list[tuple[Decision, ...]], float, int]:
