@@ -1,4 +1,4 @@
-"""dp's second exact skip of configurations (configs.save_instead_test): a configuration
+"""dp's second exact skip of configurations (solvers/dp/exchange.py): a configuration
 that recomputes a value from private saved values is never better than saving the
 value instead. Oracles: the tables built with and without the skip are identical (same
 options, same order, same Locals); dp equals brute where it fires; on LLaMA's traced
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from solvers import Phase, solve
 from solvers.base import WorkClock
-from solvers.dp.configs import enumerate_configs, save_instead_test
+from solvers.dp.configs import enumerate_configs
+from solvers.dp.exchange import save_instead_mask, save_instead_test
 from solvers.dp.fronts import DROPPED, Option
 from solvers.dp.local import BlockEvaluator, InvalidLocal
 from solvers.dp.structure import analyze
@@ -65,12 +66,15 @@ def rotary_blocks(draw, layers: int = 2, links: int = 4):
 
 
 def _fires(problem) -> int:
+    """How many configurations the rule skips; each names a tabulated one, and the
+    numpy mask agrees with the rule one configuration at a time."""
     n = 0
     for block in analyze(problem).blocks:
         better = save_instead_test(problem, block)
-        configs = set(enumerate_configs(problem, block, 1 << 16))
-        for config in configs:
-            y = better(config)
+        configs = enumerate_configs(problem, block, 1 << 16)
+        names = [better(config) for config in configs]
+        assert save_instead_mask(problem, block, configs).tolist() == [y is not None for y in names]
+        for config, y in zip(configs, names):
             if y is not None:
                 assert y in configs and y != config  # the configuration it names is tabulated
                 n += 1
@@ -81,7 +85,7 @@ def _tables(problem, monkeypatch, skip: bool) -> list:
     import solvers.dp.tables as tables
 
     if not skip:
-        monkeypatch.setattr(tables, "save_instead_test", lambda *_: lambda config: None)
+        monkeypatch.setattr(tables, "save_instead_mask", lambda problem, block, configs: [False] * len(configs))
     out = []
     for block in analyze(problem).blocks:
         (table,), _ = _table(problem, block, [_IDENTITY], 1 << 16, WorkClock(None))
@@ -117,7 +121,9 @@ def test_skipped_traced_attention_configurations_are_no_better_component_by_comp
     block = max(blocks, key=lambda b: len(b.values))
     configs = enumerate_configs(red, block, 1 << 17)
     better = save_instead_test(red, block)
-    pairs = [(x, y) for x, y in ((x, better(x)) for x in configs) if y is not None]
+    names = [better(x) for x in configs]
+    assert save_instead_mask(red, block, configs).tolist() == [y is not None for y in names]
+    pairs = [(x, y) for x, y in zip(configs, names) if y is not None]
     assert len(pairs) > share * len(configs)
     ev = BlockEvaluator(red, block, fixed)
     modes = red.allowed(block.prev)

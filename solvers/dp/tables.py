@@ -16,7 +16,8 @@ import numpy as np
 
 from solvers.base import WorkClock
 from solvers.dp import fronts, table_cache
-from solvers.dp.configs import doomed_test, enumerate_configs, save_instead_test
+from solvers.dp.configs import doomed_test, enumerate_configs
+from solvers.dp.exchange import save_instead_mask
 from solvers.dp.fronts import DROPPED, Option
 from solvers.dp.local import BlockEvaluator, InvalidLocal, Local
 from solvers.dp.structure import Block, BlockSequence
@@ -211,7 +212,7 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
     evaluator = BlockEvaluator(problem, block, fixed, prev_workspace=0)
     configs = enumerate_configs(problem, block, limit)
     doomed = doomed_test(problem, block)
-    worse = save_instead_test(problem, block)
+    worse = save_instead_mask(problem, block, configs)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: list[dict[tuple, list]] = [{} for _ in shifts]
     for k, config in enumerate(configs):
@@ -223,7 +224,7 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
                                      work_s=clock.spent_s)
         if doomed(config):
             continue  # every replay raises InvalidLocal: no option
-        if worse(config) is not None:
+        if worse[k]:
             continue  # saving one value instead is no worse in any component: no option kept
         mode_b = config[-1] if block.boundary is not None else None
         deltas = (False, True) if mode_b in DROPPED else (False,)
