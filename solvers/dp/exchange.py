@@ -33,6 +33,7 @@ names Y); `save_instead_mask` is the same rule over a block's whole list with nu
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 
 import numpy as np
 
@@ -187,9 +188,9 @@ def save_instead_mask(problem: Problem, block: Block, configs: list[tuple[Decisi
     skip = np.zeros(n, bool)
     if not f.candidates or not n:
         return skip
-    code = {Decision.SAVE: 0, Decision.RECOMPUTE: 1, Decision.OFFLOAD: 2}
-    table = np.array([[code[d] for d in config] for config in configs], np.int8).T.copy()
-    rec, sav = table == 1, table == 0
+    # decisions by identity (Decision members are singletons): no per-item hashing
+    ids = np.fromiter(map(id, chain.from_iterable(configs)), np.int64, count=n * m).reshape(n, m).T
+    rec, sav = ids == id(R), ids == id(S)
     readers: list[list[int]] = [[] for _ in range(m)]
     for u in range(m):
         for j in f.ins[u]:
