@@ -138,7 +138,12 @@ class Bounds:
         table = self.after[b + 1].get(key)
         if table is None:
             return np.full(len(k), np.inf)
-        return table[np.minimum(k // self.quantum, len(table) - 1).astype(np.int64)]
+        # K is a whole number of bytes (exact in float64): integer division is the
+        # same floor, 2-3x faster than float floor division on the search's arrays
+        j = k.astype(np.int64)
+        j //= self.quantum
+        np.minimum(j, len(table) - 1, out=j)
+        return table[j]
 
 
 def completion_bounds(tables: Sequence[tuple[dict[tuple, Menu], tuple[int, int]]], budget: int,
@@ -293,22 +298,35 @@ def _extend(front: _Front, menu: Menu, offsets: tuple[int, int], budget: int,
     pairs fail it: building them all was most of the search's time)."""
     x = front.x
     n_opt, n = len(menu.cost), len(x)
-    local = np.maximum(_max_plus(menu.backward, x) + offsets[1], menu.forward[:, None] + offsets[0])
-    peak = np.maximum(x[None, :, PEAK], x[None, :, K] + local)
-    fits = np.ones((n_opt, n), bool) if min_peak else peak <= budget
+    passed = np.ones((n_opt, n), bool)
     if cut is not None:
         for index, out_key in enumerate(menu.keys):
             sel = np.flatnonzero(menu.key == index)
             if len(sel):
                 cost = x[None, :, COST] + menu.cost[sel, None]
                 k = x[None, :, K] + menu.keep[sel, None]
-                fits[sel] &= cut(out_key, cost.ravel(), k.ravel()).reshape(len(sel), n)
-    o, e = np.nonzero(fits)
+                passed[sel] = cut(out_key, cost.ravel(), k.ravel()).reshape(len(sel), n)
+    o, e = np.nonzero(passed)
+    if 4 * len(o) < n_opt * n:
+        # most pairs failed the bound: the peaks of the rest only, the same float
+        # operations pair by pair (exact run under a tight threshold)
+        b = menu.backward[o]
+        local = np.maximum(b[:, 0], b[:, 1] + x[e, P])
+        np.maximum(local, b[:, 2] + x[e, N], out=local)
+        np.maximum(local, b[:, 3] + x[e, NR], out=local)
+        local = np.maximum(local + offsets[1], menu.forward[o] + offsets[0])
+        peak = np.maximum(x[e, PEAK], x[e, K] + local)
+    else:
+        local = np.maximum(_max_plus(menu.backward, x) + offsets[1], menu.forward[:, None] + offsets[0])
+        peak = np.maximum(x[None, :, PEAK], x[None, :, K] + local)[o, e]
+    if not min_peak:
+        fits = peak <= budget
+        o, e, peak = o[fits], e[fits], peak[fits]
     xe = x[e]
     rows = np.empty((len(o), 6))
     rows[:, COST] = xe[:, COST] + menu.cost[o]
     rows[:, K] = xe[:, K] + menu.keep[o]
-    rows[:, PEAK] = peak[o, e]
+    rows[:, PEAK] = peak
     casc = menu.has_cascade[o]
     c = menu.cascade[o]
     p = np.maximum(np.maximum(c[:, 0], c[:, 1] + xe[:, P]), np.maximum(c[:, 2] + xe[:, N], c[:, 3] + xe[:, NR]))
