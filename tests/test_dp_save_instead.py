@@ -95,8 +95,12 @@ def _tables(problem, monkeypatch, skip: bool) -> list:
 
 
 @settings(max_examples=60)
-@given(problem=rotary_blocks())
-def test_skipping_keeps_every_table_identical(problem):
+@given(problem=rotary_blocks(), bandwidth=st.sampled_from([None, None, 40.0, 400.0]))
+def test_skipping_keeps_every_table_identical(problem, bandwidth):
+    """With and without an offload link (offloaded values never count as private)."""
+    import dataclasses
+
+    problem = dataclasses.replace(problem, offload_bandwidth_bytes_per_s=bandwidth)
     with pytest.MonkeyPatch.context() as mp:
         assume(_fires(problem))
         assert _tables(problem, mp, skip=True) == _tables(problem, mp, skip=False)
