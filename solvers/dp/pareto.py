@@ -85,8 +85,27 @@ def beam_front(x: np.ndarray, score: np.ndarray, beam: int) -> np.ndarray:
     pareto's order. Without building the front: rows are scanned by (score, x, index),
     an order in which every row that weakly dominates another comes first, so a row is
     on the front iff no earlier row on it dominates it, and the scan stops once more
-    than `beam` rows are found (dp's beam runs: 80% of their time was the full front)."""
-    order = np.lexsort(tuple(x[:, c] for c in reversed(range(x.shape[1]))) + (score,))
+    than `beam` rows are found (dp's beam runs: 80% of their time was the full front).
+    The rows of the lowest scores are sorted first (every row scoring at most the
+    cutoff: a prefix of the full order); the rest only if the front is not found there."""
+    rows = np.arange(len(x))
+    if len(x) > 32 * (beam + 1):
+        cutoff = np.partition(score, 8 * (beam + 1))[8 * (beam + 1)]
+        head = np.flatnonzero(score <= cutoff)
+        if len(head) < len(x):
+            idx = _scan(x, score, head, beam)
+            if len(idx) > beam:
+                return idx[:beam]
+    idx = _scan(x, score, rows, beam)
+    if len(idx) > beam:
+        return idx[:beam]
+    got = x[idx]
+    return idx[np.lexsort((idx,) + tuple(got[:, c] for c in reversed(range(x.shape[1]))))]
+
+
+def _scan(x: np.ndarray, score: np.ndarray, rows: np.ndarray, beam: int) -> np.ndarray:
+    """The front rows among `rows` in (score, x, index) order, up to beam + 1 of them."""
+    order = rows[np.lexsort(tuple(x[rows, c] for c in reversed(range(x.shape[1]))) + (score[rows],))]
     xs = x[order]
     kept = np.empty((0, x.shape[1]))
     found: list[np.ndarray] = []
@@ -101,8 +120,4 @@ def beam_front(x: np.ndarray, score: np.ndarray, beam: int) -> np.ndarray:
         kept = np.concatenate([kept, chunk[alive]])
         found.append(order[lo + alive])
         lo += _BEAM_CHUNK
-    idx = np.concatenate(found) if found else np.zeros(0, np.int64)
-    if len(idx) > beam:
-        return idx[:beam]
-    rows = x[idx]
-    return idx[np.lexsort((idx,) + tuple(rows[:, c] for c in reversed(range(x.shape[1]))))]
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
