@@ -57,9 +57,10 @@ class LayersOptions(DPOptions):
     max_block_configs: int = 1 << 17
     """Largest block enumerated (dp's default is 2^14). Traced transformers with dropout
     replay have attention blocks of 57,600 (GPT-2) and 95,040 (LLaMA) configurations
-    after dp's exact pruning: one pass over such a block (layer 0's table comes with
-    the others', dp/tables.py) takes about 5 (GPT-2) and 20 (LLaMA) CPU s cold on one
-    core, once per process (and then on disk) for every depth and budget. `auto` passes
+    after dp's exact pruning (of which dp's exact skips leave 11,208 and 24,960 to
+    replay): one pass over such a block (layer 0's table comes with the others',
+    dp/tables.py) takes about 2 (GPT-2) and 5 (LLaMA) CPU s cold on one core, once
+    per process (and then on disk) for every depth and budget. `auto` passes
     its own, smaller limit (AutoOptions.layers_max_block_configs)."""
 
 

@@ -254,3 +254,26 @@ def test_doomed_is_exactly_the_plain_run_failing_on_random_chains(data):
                     assert all(isinstance(out[m], InvalidLocal) for m in modes)
             else:
                 assert not doomed(config)
+
+
+@settings(max_examples=200)
+@given(data=st.data(), n=st.integers(0, 300), beam=st.integers(1, 20), width=st.integers(1, 5))
+def test_the_beam_front_is_the_front_ordered_by_score_and_cut(data, n, beam, width):
+    """beam_front == pareto, stably sorted by a score that dominance never increases
+    (cost plus a nondecreasing function of K, as run's beam scores rows), cut to `beam`;
+    few distinct values per column: many ties and equal rows."""
+    import numpy as np
+
+    from solvers.dp.pareto import beam_front, pareto
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    x = rng.integers(0, 4, size=(n, width)).astype(float)
+    if width > 2:
+        x[rng.random(n) < 0.2, 2] = -np.inf
+    step = np.cumsum(rng.integers(0, 2, size=5)).astype(float)
+    step[-1] = np.inf if data.draw(st.booleans()) else step[-1]
+    score = x[:, 0] + step[np.minimum(x[:, min(1, width - 1)], 4).astype(int)] if n else np.zeros(0)
+    want = pareto(x) if n else np.zeros(0, np.int64)
+    if len(want) > beam:
+        want = want[np.argsort(score[want], kind="stable")[:beam]]
+    assert beam_front(x, score, beam).tolist() == want.tolist()

@@ -31,13 +31,22 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
     rules: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
     for v, c, others in _save_dominated(problem, block, read_by_backward):
         rules.setdefault(min((v, *others)), []).append((v, c, others))
+    # by position in `values`, decided from the last one back (readers before inputs)
+    at = {v: k for k, v in enumerate(values)}
+    always = [v == block.boundary or v in read_by_backward for v in values]
+    kids = [tuple(at[c] for c in children[v]) for v in values]
+    choices = [tuple(d for d in problem.allowed(v)
+                     if not (d is Decision.RECOMPUTE and v in read_by_backward and not nodes[v].recomputable))
+               for v in values]  # backward would have to recompute it: always InvalidLocal
+    checks = [tuple((at[v], at[c], tuple(at[u] for u in others)) for v, c, others in rules.get(w, ()))
+              for w in values]
     out: list[tuple[Decision, ...]] = []
-    partial: dict[int, Decision] = {}
-    order = list(reversed(values))
+    cur: list[Decision] = [Decision.SAVE] * len(values)
+    save, recompute = (Decision.SAVE,), Decision.RECOMPUTE
 
     def rec(k: int) -> None:
-        if k == len(order):
-            out.append(tuple(partial[v] for v in values))
+        if k < 0:
+            out.append(tuple(cur))
             if len(out) > limit:
                 raise UnsupportedProblem(
                     f"dp: block {block.index} ({len(values)} decision values, first "
@@ -45,28 +54,16 @@ def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[
                     "configurations; use 'ilp' or raise max_block_configs"
                 )
             return
-        v = order[k]
-        relevant = (v == block.boundary or v in read_by_backward
-                    or any(partial[c] is Decision.RECOMPUTE for c in children[v]))
-        for d in problem.allowed(v) if relevant else (Decision.SAVE,):
-            if d is Decision.RECOMPUTE and v in read_by_backward and not nodes[v].recomputable:
-                continue  # backward would have to recompute it: always InvalidLocal
-            partial[v] = d
-            if any(_dominated(partial, rule) for rule in rules.get(v, ())):
+        relevant = always[k] or any(cur[c] is recompute for c in kids[k])
+        for d in choices[k] if relevant else save:
+            cur[k] = d
+            if checks[k] and any(cur[v] is Decision.SAVE and cur[c] is recompute
+                                 and all(cur[u] is Decision.SAVE for u in others) for v, c, others in checks[k]):
                 continue  # dominated by saving the reader instead (_save_dominated)
-            rec(k + 1)
-        del partial[v]
+            rec(k - 1)
 
-    rec(0)
+    rec(len(values) - 1)
     return out
-
-
-
-def _dominated(partial: dict[int, Decision], rule: tuple[int, int, tuple[int, ...]]) -> bool:
-    v, c, others = rule
-    return (partial[v] is Decision.SAVE and partial[c] is Decision.RECOMPUTE
-            and all(partial[u] is Decision.SAVE for u in others))
-
 
 
 def _save_dominated(problem: Problem, block: Block,
@@ -108,8 +105,6 @@ def _save_dominated(problem: Problem, block: Block,
     return out
 
 
-
-
 def doomed_test(problem: Problem, block: Block):
     """A test of configurations every replay of which raises InvalidLocal, whatever a_{b-1}'s
     mode and the boundary's cascade: a non-recomputable value set RECOMPUTE (it then means
@@ -141,3 +136,4 @@ def doomed_test(problem: Problem, block: Block):
         return False
 
     return doomed
+

@@ -17,6 +17,7 @@ import numpy as np
 from solvers.base import WorkClock
 from solvers.dp import fronts, table_cache
 from solvers.dp.configs import doomed_test, enumerate_configs
+from solvers.dp.exchange import save_instead_mask
 from solvers.dp.fronts import DROPPED, Option
 from solvers.dp.local import BlockEvaluator, InvalidLocal, Local
 from solvers.dp.structure import Block, BlockSequence
@@ -211,6 +212,7 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
     evaluator = BlockEvaluator(problem, block, fixed, prev_workspace=0)
     configs = enumerate_configs(problem, block, limit)
     doomed = doomed_test(problem, block)
+    worse = save_instead_mask(problem, block, configs)
     modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: list[dict[tuple, list]] = [{} for _ in shifts]
     for k, config in enumerate(configs):
@@ -222,6 +224,8 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
                                      work_s=clock.spent_s)
         if doomed(config):
             continue  # every replay raises InvalidLocal: no option
+        if worse[k]:
+            continue  # saving one value instead is no worse in any component: no option kept
         mode_b = config[-1] if block.boundary is not None else None
         deltas = (False, True) if mode_b in DROPPED else (False,)
         by_delta = {delta: evaluator.evaluate_modes(config, modes_prev, delta) for delta in deltas}
