@@ -27,6 +27,9 @@ lower_bound_s (OPTIMAL when they meet). Every plan is simulated on the original 
 a warning is logged. The fold assumes a backward view runs just before its reader, as
 the front end emits it; the per-plan check is what guards that assumption.
 
+Save costs (`Node.save_s`) are charged as in dp; the kept values are SAVE in every plan
+of the space, so their save seconds are a constant added to both models' costs.
+
 Without a layer structure the solver raises UnsupportedProblem (auto moves on).
 """
 
