@@ -27,6 +27,9 @@ lower_bound_s (OPTIMAL when they meet). Every plan is simulated on the original 
 a warning is logged. The fold assumes a backward view runs just before its reader, as
 the front end emits it; the per-plan check is what guards that assumption.
 
+Save costs (`Node.save_s`) are charged as in dp; the kept values are SAVE in every plan
+of the space, so their save seconds are a constant added to both models' costs.
+
 Without a layer structure the solver raises UnsupportedProblem (auto moves on).
 """
 
@@ -136,9 +139,6 @@ def _behind(problem: Problem, kept: frozenset[int]) -> frozenset[int]:
 
 def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     started = time.perf_counter()
-    if any(problem.nodes[i].save_s for i in problem.decision_ids):
-        raise UnsupportedProblem("layers: the problem charges saving values (Node.save_s, cost model "
-                                 "'compiled-traffic'); its tables count recompute seconds only; use 'ilp'")
     if problem.layers is None or problem.layers.n_layers < 2:
         raise UnsupportedProblem("layers: the problem carries no layer structure (Problem.layers, found by "
                                  "the torch front end from nn_module_stack); use 'dp' or 'ilp'")
@@ -190,6 +190,10 @@ class _Model:
         kept_red = frozenset(red.reduced_id(v) for v in kept)
         fixed = _behind(red.problem, kept_red)
         early = frozenset(red.problem.storage_of[v] for v in kept_red) if release_early else frozenset()
+        # kept values are SAVE in every plan of the space: what saving them costs
+        # (Node.save_s; views carry none, so the reduced problem charges as the original)
+        # is a constant of the space, added to every cost the tables give
+        self.fixed_s = sum(s for v, s in red.problem.save_charged if v in fixed)
         try:
             self.seq = analyze(red.problem, fixed=fixed, release_early=early)
             self.tables = block_tables(red.problem, self.seq, limit, clock, fixed)
@@ -198,11 +202,18 @@ class _Model:
                                      work_s=clock.spent_s) from None
 
     def cheapest(self, budget: int) -> tuple | None:
-        return _cheapest(self.tables, self.seq.initial_bytes, budget)
+        return self._charged(_cheapest(self.tables, self.seq.initial_bytes, budget))
 
     def least_peak(self, budget: int) -> tuple:
         least = fronts.run(self.tables, self.seq.initial_bytes, budget, min_peak=True)
-        return fronts.run(self.tables, self.seq.initial_bytes, least[2], min_peak=False) or least
+        return self._charged(fronts.run(self.tables, self.seq.initial_bytes, least[2], min_peak=False) or least)
+
+    def _charged(self, found: tuple | None) -> tuple | None:
+        """(configs, cost, peak) with the kept values' save seconds added to the cost."""
+        if found is None or not self.fixed_s:
+            return found
+        configs, cost, peak = found
+        return configs, cost + self.fixed_s, peak
 
     def decisions(self, found: tuple) -> tuple[dict[int, Decision], float]:
         """The plan of the original problem and the DP's cost for it."""

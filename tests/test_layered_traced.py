@@ -108,3 +108,25 @@ def test_llama_stack_splits_into_blocks_per_layer():
     red = fold_views(problem, kept)
     seq = analyze(red.problem, fixed=_behind(red.problem, frozenset(red.reduced_id(v) for v in kept)))
     assert len(seq.blocks) >= 2 * len(case.blocks)
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.6])
+def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
+    """GPT-2 (tiny) under "compiled-traffic" (saving a pointwise value the backward reads
+    costs its traffic): layers, which used to decline save costs, finds the ILP's optimum
+    (at 60% with saved pointwise values charged), and its objective is simulate's."""
+    from solvers import decisions_all, simulate, solve
+
+    case = zoo.build("gpt2", size="tiny")
+    problem = remat.plan(case.model, case.args, dict(case.kwargs), budget="100%", solver="none",
+                         cost_model="compiled-traffic", outputs="loss").problem
+    assert problem.save_charged and problem.layers is not None
+    full = simulate(problem, decisions_all(problem, Decision.SAVE)).peak_bytes
+    problem = problem.with_budget(int(full * fraction))
+    plan, ilp = solve(problem, "layers"), solve(problem, "ilp")
+    ev = simulate(problem, plan)
+    assert plan.status is Status.OPTIMAL and ilp.status is Status.OPTIMAL
+    assert plan.objective_s == pytest.approx(ev.cost_s, rel=1e-9)
+    assert plan.objective_s <= ilp.objective_s * (1 + 1e-6)
+    assert plan.objective_s == pytest.approx(ilp.objective_s, rel=1e-6)
+    assert (ev.save_s > 0) is (fraction < 0.75)

@@ -1,6 +1,6 @@
 """What saving costs (`Node.save_s`, the "compiled-traffic" cost model): simulate charges
-it for the saved values the backward reads, the ILP minimizes it with the recompute
-seconds, dp and layers decline it, and `remat.plan` fills it from the graph."""
+it for the saved values the backward reads, the ILP, dp and layers minimize it with the
+recompute seconds, and `remat.plan` fills it from the graph."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_simulate_charges_saving_for_saved_values_the_backward_reads():
     assert (dropped.recompute_s, dropped.save_s, dropped.cost_s) == (1.0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("solver", ["brute", "ilp", "auto"])
+@pytest.mark.parametrize("solver", ["brute", "ilp", "dp", "auto"])
 def test_exact_solvers_recompute_when_saving_costs_more(solver):
     """Everything fits; recomputing a (1.0 s) is cheaper than saving it (4.0 s)."""
     cheap, dear = _chain(save_a=0.5), _chain(save_a=4.0)
@@ -51,14 +51,24 @@ def test_exact_solvers_recompute_when_saving_costs_more(solver):
 
 
 @pytest.mark.parametrize("solver", ["dp", "layers"])
-def test_dp_and_layers_decline_saving_costs(solver):
-    problem = builders.chain(6, budget_bytes=8 << 20)
-    solve(problem, "dp")  # a block sequence dp plans without save costs
+def test_dp_and_layers_plan_saving_costs_as_the_ilp_does(solver):
+    """They no longer decline save costs: on a chain (dp) and a layered stack (layers)
+    their optimum is the ILP's, and simulate's cost of their plan."""
+    from test_layered import stack
+
+    problem = builders.chain(6, budget_bytes=8 << 20) if solver == "dp" else builders.with_budget_fraction(stack(3, 0), 0.9)
     charged = dataclasses.replace(problem, nodes=tuple(
-        dataclasses.replace(n, save_s=1e-3) if i in problem.needed_ids else n
+        dataclasses.replace(n, save_s=(1.0 + i % 3) * max(n.compute_s, 1e-3) / 2)
+        if i in problem.needed_ids and n.alias_of is None else n
         for i, n in enumerate(problem.nodes)))
-    with pytest.raises(UnsupportedProblem, match="save_s"):
-        solve(charged, solver)
+    assert charged.save_charged
+    plan, ilp = solve(charged, solver), solve(charged, "ilp")
+    assert plan.status is Status.OPTIMAL and ilp.status is Status.OPTIMAL
+    assert plan.objective_s == pytest.approx(simulate(charged, plan).cost_s, rel=1e-9)
+    if solver == "dp":
+        assert plan.objective_s == pytest.approx(ilp.objective_s, rel=1e-6)
+    else:  # layers' space keeps the shared mask: never below the ILP's
+        assert plan.objective_s >= ilp.objective_s * (1 - 1e-6)
 
 
 def test_remat_plan_fills_saving_costs_and_stays_bit_exact():

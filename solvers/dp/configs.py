@@ -72,7 +72,8 @@ def _save_dominated(problem: Problem, block: Block,
     `others` SAVE is useless. v is read only by c (in forward, never by backward); c's
     other inputs are either outside the block and not a_{b-1} (always on the device) or
     the block values `others`; neither v nor c is the boundary, an output, a view or
-    viewed; and c's bytes are at most v's.
+    viewed; c's bytes are at most v's; and saving c costs at most recomputing it
+    (`Node.save_s`, charged when the backward reads c: at most c's compute seconds).
 
     Why exact: take such a plan X and the plan Y that differs only in saving c (v is
     then never needed again). Recomputing c in X reads only values on the device (v and
@@ -84,13 +85,16 @@ def _save_dominated(problem: Problem, block: Block,
     Y (the recomputation reads them); otherwise the same storages (v's only read after
     c's forward step is c's recomputation, after which both hold c until its last read).
     So every step of Y has at most X's live bytes, and Y costs c's recompute seconds
-    less: X is never needed for an optimal plan, nor for the least peak."""
+    less and c's save seconds more (v and `others` are SAVE in both, v is charged in
+    neither: the backward does not read it), at most as much as X: X is never needed
+    for an optimal plan, nor for the least peak."""
     nodes = problem.nodes
     inside = set(block.values)
     viewed = {nodes[i].alias_of for i in range(len(nodes)) if nodes[i].alias_of is not None}
     outputs = {problem.storage_of[j] for j in problem.outputs}
     plain = {v for v in block.values
              if v != block.boundary and v not in viewed and v not in outputs and nodes[v].alias_of is None}
+    charge = dict(problem.save_charged)
     out = []
     for v in sorted(plain):
         readers = problem.users[v]
@@ -100,7 +104,7 @@ def _save_dominated(problem: Problem, block: Block,
         others = tuple(dict.fromkeys(j for j in nodes[c].inputs if j != v))
         if block.prev in others:
             continue
-        if nodes[c].out_bytes <= nodes[v].out_bytes:
+        if nodes[c].out_bytes <= nodes[v].out_bytes and charge.get(c, 0.0) <= nodes[c].compute_s:
             out.append((v, c, tuple(j for j in others if j in inside)))
     return out
 

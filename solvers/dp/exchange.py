@@ -11,8 +11,10 @@ vector, so the table keeps the same options without X.
 
 Why: X's schedule is Y's plus C and c recomputed at c's first need (nothing else is
 brought back: C and c read only values on the device, never a_{b-1}; a_{b-1} is
-touched or not alike, the same outcome key). Cost: more by their recompute seconds
-(> 0). Bytes at each step of Y: C's forward instances live alike (read in F_b only in
+touched or not alike, the same outcome key). Cost: more by their recompute seconds,
+less by what saving c costs in Y (`Node.save_s`, when the backward reads c; C is read
+by no backward step, V is SAVE in both): so c qualifies only if its save seconds are
+at most its own compute seconds (a part of C's). Bytes at each step of Y: C's forward instances live alike (read in F_b only in
 both); until c's last forward read X holds V at least as long and c alike; from there
 until c's recomputation X holds V where Y holds c (V's last read in Y was earlier), at
 least as many bytes; after it both hold c and V is freed (its last read was the
@@ -93,7 +95,9 @@ class _Facts:
             rules=[(at[v], at[c], tuple(at[u] for u in others))
                    for v, c, others in _save_dominated(problem, block, by_backward)],
             candidates=[])
-        costly = [k for k, v in enumerate(values) if own[k] and nodes[v].compute_s > 0]
+        charge = dict(problem.save_charged)  # saving c instead must cost no more than recomputing it
+        costly = [k for k, v in enumerate(values)
+                  if own[k] and nodes[v].compute_s > 0 and charge.get(v, 0.0) <= nodes[v].compute_s]
         facts.candidates.extend(c for c in reversed(costly) if facts.reach(c) >= facts.size[c])
         return facts
 

@@ -30,6 +30,13 @@ from solvers.dp.structure import Block
 from solvers.problem import Decision, Phase, Problem
 
 
+def save_charges(problem: Problem, block: Block) -> dict[int, float]:
+    """{value of the block: `Node.save_s`} for the block's values a SAVE is charged for
+    (Problem.save_charged: needed values with a save cost); empty without save costs."""
+    inside = set(block.values)
+    return {v: s for v, s in problem.save_charged if v in inside}
+
+
 class InvalidLocal(Exception):
     """The configuration drops a non-recomputable value that is needed (a PlanError)."""
 
@@ -39,7 +46,8 @@ class Local:
     """What block b does under one configuration and context."""
 
     cost_s: float
-    """Recompute and transfer seconds charged to this block's values."""
+    """Recompute, transfer and save seconds (`Node.save_s` of SAVE values the backward
+    reads) charged to this block's values."""
     peak_forward: int
     """Largest live bytes during F_b, static included, the earlier blocks' K excluded."""
     peak_backward: Terms
@@ -80,6 +88,9 @@ class BlockEvaluator:
         self.fwd_local = [root[i] in self.local_roots for i in block.forward_steps]
         self.store_s = {v: problem.store_s(v) for v in block.values}
         self.reload_s = {v: problem.reload_s(v) for v in block.values}
+        self.save_s = save_charges(problem, block)
+        """What SAVE of each charged value of the block costs (Problem.save_charged): a
+        cost of the configuration alone (a_{b-1}'s is its own block's), like simulate's."""
         self.fwd_steps = tuple((FWD, f, s) for f, s in zip(block.forward_steps, block.static_forward))
         self.fwd_instances = self._forward_instances()
         # Per node whose inputs a run examines (recomputed values, backward steps): the
@@ -224,6 +235,8 @@ class _Run:
         if self.prev is not None and mode_prev is Decision.SAVE:
             self.on_device.add(self.prev)
         self.cost_s = sum(ev.store_s[v] for v, d in dec.items() if d is Decision.OFFLOAD)
+        if ev.save_s:
+            self.cost_s += sum(s for v, s in ev.save_s.items() if dec[v] is Decision.SAVE)
         self.touched = False
         self.mid = self.post = -1
         self.cascade = (0, 0)

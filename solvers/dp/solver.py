@@ -10,7 +10,9 @@ earlier blocks affect block b only through a constant K (bytes they keep alive) 
 when the boundary a_{b-1} is dropped, the profile of recomputing it (P, N, NR), so a
 forward DP over blocks keeps, per (decision of a_b, "the suffix brings a_b back"), the
 Pareto front of (K, cost, P, N, NR): exact, in integer bytes, with no discretization
-(fronts.py). Speed: identical layers share one table (their static bytes differ by
+(fronts.py). The cost counts recompute, transfer and save seconds (`Node.save_s` of
+the SAVE values the backward reads, "compiled-traffic"): each is a function of one
+value's decision, charged to the block owning the value. Speed: identical layers share one table (their static bytes differ by
 a constant); a backward pass over a relaxation (exact K when the kept bytes have a
 usable gcd, cascade summaries at their floors) bounds the cost of finishing from any
 partial plan; a beam search guided by it gives a plan, which is returned at once when

@@ -76,12 +76,6 @@ def analyze(problem: Problem, *, fixed: frozenset[int] = frozenset(),
 
 def _check_supported(problem: Problem, decision: set[int]) -> None:
     nodes, root = problem.nodes, problem.storage_of
-    charged = [i for i in decision if nodes[i].save_s]
-    if charged:
-        raise UnsupportedProblem(
-            f"dp: the problem charges saving {len(charged)} values (Node.save_s, e.g. {nodes[charged[0]].name!r}: "
-            "cost model 'compiled-traffic'); dp's tables count recompute seconds only; use 'ilp'"
-        )
     for j in problem.outputs:
         if root[j] in decision:
             raise UnsupportedProblem(

@@ -19,7 +19,7 @@ from solvers.dp import fronts, table_cache
 from solvers.dp.configs import doomed_test, enumerate_configs
 from solvers.dp.exchange import save_instead_mask
 from solvers.dp.fronts import DROPPED, Option
-from solvers.dp.local import BlockEvaluator, InvalidLocal, Local
+from solvers.dp.local import BlockEvaluator, InvalidLocal, Local, save_charges
 from solvers.dp.structure import Block, BlockSequence
 from solvers.problem import Problem
 from solvers.registry import UnsupportedProblem
@@ -312,8 +312,12 @@ def _signature(problem: Problem, block: Block, prev_workspace: int | None = None
     # store_s depends on the forward compute after a value, so identical layers at
     # different depths may price an offload differently
     store = tuple(problem.store_s(v) for v in block.values) if problem.offload_bandwidth_bytes_per_s else ()
-    return (tuple(items), prev, block.boundary is None, problem.offload_bandwidth_bytes_per_s, store,
-            block.static_forward, block.static_backward, block.static_before,
-            tuple(local.get(v) for v in block.values))
+    sig = (tuple(items), prev, block.boundary is None, problem.offload_bandwidth_bytes_per_s, store,
+           block.static_forward, block.static_backward, block.static_before,
+           tuple(local.get(v) for v in block.values))
+    # what SAVE costs per value (Local.cost_s, and the pruning rules' gates); left out
+    # without save costs, so those signatures are unchanged
+    charge = save_charges(problem, block)
+    return (*sig, tuple(charge.get(v, 0.0) for v in block.values)) if charge else sig
 
 
