@@ -60,8 +60,8 @@ class PlannedStep:
     fusion_margin_bytes: int = 0
     """Under inductor: how much its generated code raises the peak over
     `evaluation.peak_bytes` (`remat.runtime.inductor.estimate.inductor_peak_bytes` over
-    `fusion_graph_bytes`); the plan was made to fit `budget_bytes` with this margin. 0
-    elsewhere."""
+    `fusion_graph_bytes`; negative where the code holds less); the plan was made to fit
+    `budget_bytes` with this margin. 0 elsewhere."""
     fusion_graph_bytes: tuple[Any, ...] = ()
     """Under inductor: each graph's peak as inductor generates it vs op by op
     (`remat.runtime.inductor.estimate.GraphBytes`), where the margin comes from. () elsewhere."""

@@ -77,8 +77,10 @@ def test_prediction_holds_the_measurement_at_the_refusal_point(edge):
     assert measured.peak_bytes <= predicted <= step.budget_bytes == refusal.min_peak_bytes
     summary = be.summary()
     assert "WARNING" not in summary
-    if step.fusion_margin_bytes:
+    if step.fusion_margin_bytes > 0:
         assert f"of which {step.fusion_margin_bytes / 2**20:.2f} MiB ({step.fusion_margin_bytes} B) is inductor's fusion" in summary
+    elif step.fusion_margin_bytes < 0:
+        assert f"({-step.fusion_margin_bytes} B) under remat's op-by-op model: inductor's fusion" in summary
     assert "fusion:          neighbours" in summary
     # where the margin comes from, per graph: inductor's generated code vs op by op
     fw_bytes, bw_bytes = step.fusion_graph_bytes

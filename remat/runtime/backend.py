@@ -28,8 +28,10 @@ What inductor may change after the partition, and what remat pins:
   no-remat peak: 322,819 B over; neighbours only: under, at the same step time).
 - What fusion still adds (a fused run of neighbours keeps its inputs to its end) is read
   from inductor before anything runs (`remat.runtime.inductor.estimate`): each plan's
-  graphs are lowered and scheduled, inductor's estimate before vs after fusion is the
-  margin, and remat replans under the budget minus it (`PlannedStep.fusion_margin_bytes`).
+  graphs are lowered and their code generated (no kernel compiled); what the code holds
+  against the same graph op by op is the margin, and remat replans under the budget minus
+  it, or, where the code holds less, tries a plan that uses the room
+  (`remat.runtime.inductor.closed_loop`, `PlannedStep.fusion_margin_bytes`).
 
 The budget is a promise for the whole step (`remat.runtime.step.ledger`): when dynamo splits
 the step into several graphs (graph breaks, DDPOptimizer's buckets, FSDP2's wrapped
@@ -269,7 +271,9 @@ class RematBackend:
             margin = sum(step.fusion_margin_bytes for step in self.steps)
             compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
                          f"predicted {format_bytes(predicted)}"
-                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin else "")
+                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin > 0 else
+                            f", {format_bytes(-margin)} under remat's op-by-op model: inductor's fusion"
+                            if margin < 0 else "")
                          + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
             budget = (self.ledger.budget_bytes if step_wide
                       else sum(step.budget_bytes for step in self.steps))
@@ -331,7 +335,7 @@ def _partitioner_class() -> type:
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             if self.fusion is None:
                 return self.partitioner(gm, joint_inputs, **kwargs)
-            from remat.runtime.inductor.estimate import plan_under_fusion
+            from remat.runtime.inductor.closed_loop import plan_under_fusion
 
             return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
 

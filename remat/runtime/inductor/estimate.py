@@ -10,9 +10,10 @@ backend's config (the backward with AOTAutograd's donated buffers, as the real c
 gets them) and stopped once its wrapper code exists, before any kernel is compiled. The
 wrapper's memory-planning lines (allocate, free unless reused, reuse, input frees) are
 exactly what the generated code allocates; the same graph run op by op, in the same
-accounting, is remat's model of it. The difference is the graph's margin; the backend
-replans under the budget minus the largest margin (`plan_under_fusion`, closed loop)
-and predicts remat's peak plus it.
+accounting, is remat's model of it. The difference is the graph's margin (negative
+where the code holds less); the backend replans with it (`closed_loop.plan_under_fusion`)
+and predicts remat's peak plus it. A saved value's storage is the one the forward's
+code returns it in (`output_storages`), which is not always the FX graph's.
 
 Measured (Gated test model, tests/test_inductor_budget.py): at its floor (656,408 B)
 the backward's generated code holds 574,220 B against 524,288 B op by op: margin 49,932
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +35,6 @@ import torch
 from torch import fx
 
 from remat.runtime.inductor.fusion import FusionEstimate, fusion_passes
-
-log = logging.getLogger(__name__)
 
 
 class _Generated(Exception):
@@ -72,11 +70,14 @@ class GraphBytes:
     @property
     def excess_bytes(self) -> int:
         """What the generated code holds beyond the graph run op by op, at their peaks;
-        0 where it holds less. Not negative: the wrapper walk is not always all that
-        runs (LLaMA tiny under "compiled" at 4,345,800 B: the backward's code 217,340 B
-        under op by op, yet the step measured 131,104 B over remat's peak plus that
-        deficit), so a deficit never lowers the prediction."""
-        return max(0, self.generated_bytes - self.op_by_op_bytes)
+        negative where it holds less (fusion never allocates what it inlines), which
+        lowers the prediction. Session 25 kept a deficit at 0 after LLaMA tiny under
+        "compiled" measured 131,104 B over a prediction lowered by one: 131,072 B of it
+        were the saved `repeat_kv` expands, which the forward's code returns dense
+        (`output_storages`) where the FX graph has views; the backward's walk counts
+        them now, and that step measures 32 B over (two unused 16-byte rotary buffers
+        no graph takes, which the bench registers)."""
+        return self.generated_bytes - self.op_by_op_bytes
 
 
 def input_views(gm: fx.GraphModule) -> frozenset[str]:
@@ -170,22 +171,26 @@ def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, i
             if n.name not in uncounted and isinstance(n.meta.get("val"), torch.Tensor)}
 
 
-def generated_bytes(counted: dict[str, int]) -> int:
+def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None) -> int:
     """Peak of the graph inductor is generating (`V.graph`), from its wrapper's planned
     lines: an allocation (or a buffer an extern kernel returns) adds its bytes, a free
     not turned into a reuse removes them, a reuse hands a buffer on (no change). Inputs
     (`counted`: name -> storage, see `counted_inputs`) count once per storage from the
-    start, until the free of the last one sharing it or a reuse that hands it on."""
+    start, until the free of the last one sharing it or a reuse that hands it on; `sizes`
+    (name -> bytes) gives an input's storage bytes where the graph's own input layout
+    does not (a saved value the forward's code returns in a buffer of its own)."""
     from torch._inductor.codegen import wrapper as w
     from torch._inductor.virtualized import V
 
     graph = V.graph
-    sharing: dict[int, set[str]] = {}
-    storage_bytes: dict[int, int] = {}
+    sizes = sizes or {}
+    sharing: dict[Any, set[str]] = {}
+    storage_bytes: dict[Any, int] = {}
     for name, buf in graph.graph_inputs.items():
         if name in counted and hasattr(buf, "get_output_spec"):  # tensors, not SymInts
             sharing.setdefault(counted[name], set()).add(name)
-            storage_bytes[counted[name]] = max(storage_bytes.get(counted[name], 0), _buffer_bytes(buf))
+            nbytes = sizes.get(name, _buffer_bytes(buf))
+            storage_bytes[counted[name]] = max(storage_bytes.get(counted[name], 0), nbytes)
     live = peak = sum(storage_bytes.values())
     for line in graph.wrapper_code.lines:
         if isinstance(line, w.FreeIfNotReusedLine):
@@ -205,6 +210,26 @@ def generated_bytes(counted: dict[str, int]) -> int:
     return peak
 
 
+def output_storages() -> list[tuple[str, int] | None]:
+    """Each output of the graph inductor is generating (`V.graph.graph_outputs`, in the
+    FX output's order): the buffer or input whose storage it is, and that storage's
+    bytes; None where it is no tensor. Inductor may return a view the FX graph makes (a
+    saved `expand`, whose storage is its base's) in a buffer of its own, dense, when it
+    realized the view for a kernel anyway (LLaMA's `repeat_kv` before attention)."""
+    from torch._inductor.virtualized import V
+
+    out: list[tuple[str, int] | None] = []
+    for r in V.graph.graph_outputs:
+        try:
+            name = r.get_name()
+        except (AttributeError, NotImplementedError):
+            out.append(None)
+            continue
+        buf = V.graph.try_get_buffer(name)
+        out.append((name, _buffer_bytes(buf)) if buf is not None and hasattr(buf, "get_output_spec") else None)
+    return out
+
+
 def _example_inputs(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -218,15 +243,17 @@ def _generated(error: BaseException | None) -> bool:
 
 
 @contextlib.contextmanager
-def _stop_before_kernels(record: list[int], counted: dict[str, int]):
+def _stop_before_kernels(record: list[int], counted: dict[str, Any], sizes: dict[str, int],
+                         outputs: list[Any]):
     """Stop inductor's compile once it has its wrapper code, recording `generated_bytes`
-    (`counted`: see `counted_inputs`):
+    (`counted`, `sizes`: see there) and `output_storages` (into `outputs`):
     `GraphLowering.save_output_code` is inductor's hook on the finished code, called
     before any kernel is compiled (torch marks it for patching)."""
     from torch._inductor.graph import GraphLowering
 
     def stop(_code: str) -> None:
-        record.append(generated_bytes(counted))
+        record.append(generated_bytes(counted, sizes))
+        outputs.extend(output_storages())
         raise _Generated
 
     saved = GraphLowering.save_output_code
@@ -295,13 +322,16 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     and the donated buffers)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch.utils._pytree import tree_leaves
 
     record: list[FusionEstimate] = []
     measured: list[GraphBytes] = []
     views = frozenset().union(*[input_views(gm) for gm, is_backward in graphs if not is_backward])
     forward = next((gm for gm, is_backward in graphs if not is_backward), None)
+    returned: dict[str, tuple[str, int]] = {}  # forward output name -> its storage as generated
     for gm, is_backward in graphs:
-        if only is not None and only != ("backward" if is_backward else "forward"):
+        if only is not None and only != ("backward" if is_backward else "forward") and not (
+                only == "backward" and not is_backward):  # the backward needs the forward's outputs
             continue
         uncounted = uncounted_inputs(gm, views)
         donated = (donated_inputs(forward, gm, num_fwd_outputs)
@@ -309,15 +339,28 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             graph = copy.deepcopy(gm)  # post-grad passes rewrite it in place
         op_by_op = op_by_op_bytes(gm, uncounted)
-        passes = fusion_passes(fusion, record)
+        wanted = only is None or only == ("backward" if is_backward else "forward")
+        passes = fusion_passes(fusion, record if wanted else [])
         generated: list[int] = []
-        stop = _stop_before_kernels(generated, counted_inputs(gm, uncounted))
+        outputs: list[Any] = []
+        counted = counted_inputs(gm, uncounted)
+        sizes: dict[str, int] = {}
+        if is_backward:  # saved values held in the storages the forward's code returns them in
+            for name in counted.keys() & returned.keys():
+                counted[name], sizes[name] = ("forward", returned[name][0]), returned[name][1]
+        stop = _stop_before_kernels(generated, counted, sizes, outputs)
         try:
             with config.patch({**passes, "fx_graph_cache": False}), stop, _donating(donated):
                 compile_fx_inner(graph, _example_inputs(graph), is_backward=is_backward)
         except Exception as e:  # inductor may wrap what the hook raised
             if not _generated(e):
                 raise
+        if not is_backward:
+            (out_node,) = gm.graph.find_nodes(op="output")
+            names = [a.name if isinstance(a, fx.Node) else None for a in tree_leaves(out_node.args)]
+            returned = {n: o for n, o in zip(names, outputs) if n is not None and o is not None}
+        if not wanted:
+            continue  # lowered for its outputs only
         measured.append(GraphBytes(graph="backward" if is_backward else "forward",
                                    op_by_op_bytes=op_by_op, generated_bytes=generated[0]))
     return tuple(record), tuple(measured)
@@ -345,77 +388,5 @@ def inductor_peak_bytes(evaluation: Any, generated: Sequence[GraphBytes]) -> int
     return max([before] + [peak + excess.get(graph, 0) for graph, peak in peaks.items()])
 
 
-MAX_REPLANS = 3
-"""Replans after the first plan; each lowers the target by the largest margin seen, so
-the target only falls and the loop ends (measured: one replan on every model tried)."""
-
-
-def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
-    from remat.budget import format_bytes
-    from remat.errors import InfeasibleBudgetError
-
-    need = peak_bytes + margin
-    return InfeasibleBudgetError(
-        f"budget {format_bytes(budget_bytes)} does not hold under inductor: remat's plan at its "
-        f"smallest peak tried ({format_bytes(peak_bytes)}) gets {format_bytes(margin)} more from "
-        f"inductor's kernels (generated code vs op by op); the smallest reachable peak is "
-        f"{format_bytes(need)}; raise the budget to at least {need} bytes, or use "
-        "compiler='eager' (op by op, no fusion)", budget_bytes=budget_bytes, min_peak_bytes=need)
-
-
-def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, *, fusion: str,
-                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Closed loop: plan, ask inductor what its generated code adds over remat's op-by-op
-    model (`estimate_fusion`), and if remat's peak plus that margin is over the budget,
-    plan again under the budget minus the largest margin seen; when no plan fits that,
-    once at remat's floor (its margin may be smaller). The step keeps the user's budget
-    and records the margin; a refusal names the floor plan's peak plus its margin. A plan
-    the backward alone rules out is replanned without lowering its forward (a third of
-    the estimate's time on GPT-2 tiny)."""
-    from remat.errors import InfeasibleBudgetError
-
-    fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    step = partitioner.step
-    budget_bytes, margin, worst, at_floor = step.budget_bytes, 0, 0, False
-    estimated: dict[tuple[str, str, str], GraphBytes] = {}  # a replan may give the same graphs
-
-    def graph_bytes(graph: str) -> GraphBytes:
-        key = (graph, fw.code, bw.code)  # the backward's estimate also depends on the forward
-        if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
-            estimated[key] = estimate_fusion(((fw, False), (bw, True)), fusion=fusion, only=graph,
-                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"))[1][0]
-        return estimated[key]
-
-    for replan in range(MAX_REPLANS + 2):
-        generated: tuple[GraphBytes, ...] = (graph_bytes("backward"),)
-        fits = inductor_peak_bytes(step.evaluation, generated) <= budget_bytes  # at most: the forward may add
-        if fits or at_floor or replan >= MAX_REPLANS:  # a plan kept or a refusal: both graphs
-            generated = (graph_bytes("forward"), *generated)
-        # what inductor adds to remat's peak (at most the largest `excess_bytes`)
-        margin = inductor_peak_bytes(step.evaluation, generated) - step.evaluation.peak_bytes
-        log.debug("remat: %s, margin %d B", generated, margin)
-        worst = max(worst, margin)
-        if step.evaluation.peak_bytes + margin <= budget_bytes:
-            break
-        if at_floor or replan >= MAX_REPLANS:
-            partitioner.error = _refusal(budget_bytes, step.evaluation.peak_bytes, margin)
-            raise partitioner.error
-        # a margin as large as the budget leaves nothing: the floor decides (below)
-        partitioner.budget = max(1, budget_bytes - worst)
-        log.info("remat: inductor adds %d B to a plan peaking at %d B; replanning under %d B",
-                 margin, step.evaluation.peak_bytes, partitioner.budget)
-        try:
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
-        except InfeasibleBudgetError as e:  # below the floor: the floor's own margin decides
-            at_floor = True
-            partitioner.budget = e.min_peak_bytes
-            log.info("remat: replanning at the floor, %d B", e.min_peak_bytes)
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
-        step = partitioner.step
-    partitioner.step = dataclasses.replace(step, budget_bytes=budget_bytes, fusion_margin_bytes=margin,
-                                           fusion_graph_bytes=tuple(generated))
-    return fw, bw
-
-
-__all__ = ["MAX_REPLANS", "GraphBytes", "estimate_fusion", "generated_bytes",
-           "op_by_op_bytes", "inductor_peak_bytes", "plan_under_fusion"]
+__all__ = ["GraphBytes", "estimate_fusion", "generated_bytes", "op_by_op_bytes", "output_storages",
+           "inductor_peak_bytes"]
