@@ -45,29 +45,26 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     model (`estimate_fusion`), and if remat's peak plus that margin is over the budget,
     plan again under the budget minus the largest margin seen; when no plan fits that,
     once at remat's floor (its margin may be smaller). The step keeps the user's budget
-    and records the margin; a refusal names the floor plan's peak plus its margin. A plan
-    the backward alone rules out is replanned without lowering its forward (a third of
-    the estimate's time on GPT-2 tiny)."""
+    and records the margin; a refusal names the floor plan's peak plus its margin. Both
+    graphs are estimated together: the backward's saved inputs are held in the storages
+    the forward's code returns them in (`estimate.output_storages`)."""
     from remat.errors import InfeasibleBudgetError
 
     fw, bw = partitioner(joint, joint_inputs, **kwargs)
     step = partitioner.step
     budget_bytes, margin, worst, at_floor = step.budget_bytes, 0, 0, False
-    estimated: dict[tuple[str, str, str], GraphBytes] = {}  # a replan may give the same graphs
+    estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
 
-    def graph_bytes(fw: fx.GraphModule, bw: fx.GraphModule, graph: str) -> GraphBytes:
-        key = (graph, fw.code, bw.code)  # the backward's estimate also depends on the forward
+    def graph_bytes(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[GraphBytes, ...]:
+        key = (fw.code, bw.code)
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
-            estimated[key] = estimate_fusion(((fw, False), (bw, True)), fusion=fusion, only=graph,
-                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"))[1][0]
+            estimated[key] = estimate_fusion(((fw, False), (bw, True)), fusion=fusion,
+                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"))[1]
         return estimated[key]
 
     for replan in range(MAX_REPLANS + 2):
-        generated: tuple[GraphBytes, ...] = (graph_bytes(fw, bw, "backward"),)
-        fits = inductor_peak_bytes(step.evaluation, generated) <= budget_bytes  # at most: the forward may add
-        if fits or at_floor or replan >= MAX_REPLANS:  # a plan kept or a refusal: both graphs
-            generated = (graph_bytes(fw, bw, "forward"), *generated)
-        # what inductor adds to remat's peak (at most the largest `excess_bytes`)
+        generated = graph_bytes(fw, bw)
+        # what inductor adds to remat's peak (the largest `excess_bytes`, or less)
         margin = inductor_peak_bytes(step.evaluation, generated) - step.evaluation.peak_bytes
         log.debug("remat: %s, margin %d B", generated, margin)
         worst = max(worst, margin)
@@ -117,7 +114,7 @@ def _use_the_deficit(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any,
         wider = partitioner.step
         if wider.evaluation.cost_s >= best[1].evaluation.cost_s:
             break  # saving more buys nothing here
-        both = graph_bytes(fw, bw, "forward"), graph_bytes(fw, bw, "backward")
+        both = graph_bytes(fw, bw)
         predicted = inductor_peak_bytes(wider.evaluation, both)
         if predicted <= budget_bytes:
             best = (fw, bw), wider, predicted - wider.evaluation.peak_bytes, both
