@@ -20,7 +20,7 @@ from oracles import assert_equals_brute
 from strategies import problems
 from test_dp import assert_predicts, feeder_chains
 from test_dp_save_instead import _fires as _exchange_fires, _tables, rotary_blocks
-from test_layered import _oracle, stack
+from test_layered import _oracle, assert_layers_agrees_with_its_space, stack
 from test_solver_invariants import check_plan
 
 SAVES = [0.0, 0.0, 0.125, 0.5, 1.0, 3.0, 8.0]
@@ -114,14 +114,5 @@ def test_layers_with_save_costs_agrees_with_enumeration_of_its_plan_space(seed, 
         for k, n in enumerate(base.nodes)))
     assert any(problem.nodes[v].save_s for v, _ in problem.save_charged
                if problem.nodes[v].name == "mask")
-    plan = solve(problem, "layers")
-    check_plan(problem, plan, "layers")
-    best = _oracle(problem)
-    if best is None:
-        assert plan.status is Status.INFEASIBLE
-        return
-    assert plan.lower_bound_s is not None and plan.lower_bound_s <= best + 1e-9
-    assert plan.objective_s >= best - 1e-9
-    if plan.status is Status.OPTIMAL:
-        assert plan.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert_layers_agrees_with_its_space(problem)
 

@@ -59,6 +59,22 @@ def _oracle(problem: Problem) -> float | None:
     return min(costs, default=None)
 
 
+def assert_layers_agrees_with_its_space(problem: Problem) -> None:
+    """`layers` against `_oracle`: infeasible exactly when its space has no fitting plan,
+    a real lower bound, a plan inside the space, and the optimum when OPTIMAL."""
+    plan = solve(problem, "layers")
+    check_plan(problem, plan, "layers")
+    best = _oracle(problem)
+    if best is None:
+        assert plan.status is Status.INFEASIBLE
+        return
+    assert plan.status is not Status.INFEASIBLE
+    assert plan.lower_bound_s is not None and plan.lower_bound_s <= best + 1e-9
+    assert plan.objective_s >= best - 1e-9  # the plan lies in the space
+    if plan.status is Status.OPTIMAL:
+        assert plan.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
 def test_structure_names_the_shared_values():
     problem = stack(3, seed=0)
     names = {problem.nodes[v].name for v in problem.layers.shared_values(problem)}
@@ -88,17 +104,7 @@ def test_without_structure_layers_declines():
 @pytest.mark.parametrize("fraction", (1.0, 0.9, 0.85, 0.8))
 def test_layers_agrees_with_enumeration_of_its_plan_space(seed, fraction):
     problem = builders.with_budget_fraction(stack(3, seed=seed), fraction)
-    plan = solve(problem, "layers")
-    check_plan(problem, plan, "layers")
-    best = _oracle(problem)
-    if best is None:
-        assert plan.status is Status.INFEASIBLE
-        return
-    assert plan.status is not Status.INFEASIBLE
-    assert plan.lower_bound_s is not None and plan.lower_bound_s <= best + 1e-9
-    assert plan.objective_s >= best - 1e-9  # the plan lies in the space
-    if plan.status is Status.OPTIMAL:
-        assert plan.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert_layers_agrees_with_its_space(problem)
 
 
 @pytest.mark.parametrize("seed", range(4))
