@@ -21,12 +21,14 @@ What inductor may change after the partition, and what remat pins:
   intermediate in fp32 where the saved value was rounded to bf16 (max gradient difference
   0.0156 measured), so the gradients would depend on which values remat recomputed. With
   it, every plan gives the same gradients as saving everything under inductor.
-- Fusion is kept to neighbours in remat's order (`fusion="neighbours"`, the default;
+- Fusion is kept to what keeps the peak (`fusion="peak"`, the default;
   `remat.runtime.inductor.fusion`): inductor's own fusion joins kernels from far apart
   (a recomputation with its twin from another layer) and runs them at the first one's
   place, which measured over the budget at tight budgets (GPT-2 tiny at 47.9% of its
-  no-remat peak: 322,819 B over; neighbours only: under, at the same step time).
-- What fusion still adds (a fused run of neighbours keeps its inputs to its end) is read
+  no-remat peak: 322,819 B over; neighbours only: under). Neighbours always fuse; kernels
+  further apart only when no position in between then goes over the graph's peak
+  before fusion (neighbours only cost LLaMA's bench forward 5% at a 100% budget).
+- What fusion still adds (a fused run keeps its inputs to its end) is read
   from inductor before anything runs (`remat.runtime.inductor.estimate`): each plan's
   graphs are lowered and their code generated (no kernel compiled); what the code holds
   against the same graph op by op is the margin, and remat replans under the budget minus
@@ -94,7 +96,7 @@ class RematBackend:
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
                  cost_model: str | None = None, cache: bool = False, mode: str | None = None,
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
-                 fusion: str = "neighbours", offload: bool | str = "auto", whole_step: bool = True,
+                 fusion: str = "peak", offload: bool | str = "auto", whole_step: bool = True,
                  outputs: str = "all", **options: Any) -> None:
         if solver not in SOLVERS:
             raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
