@@ -26,9 +26,10 @@ The rules (`FUSION_MODES`):
   (`_PeakGuard`). Neighbours only cost LLaMA's forward at the bench size 5% against
   torch.compile at a 100% budget (197.5 against 187.7 ms; inductor's own fusion: 183.1
   against 183.5), though most of the kernels it did not join run where the forward is
-  far below its peak (its saved activations pile up to its end). With `peak`, LLaMA's bench forward generates as many kernels as inductor's own
-  fusion (117 against 129 with neighbours only), and the plans' measured peaks still equal
-  their predictions (the closed loop reads the code generated under the same rule).
+  far below its peak (its saved activations pile up to its end). With `peak`, LLaMA's
+  bench forward ends fusion with as many scheduler nodes as inductor's own fusion (117
+  against 129 with neighbours only), and the plans' measured peaks still equal their
+  predictions (the closed loop reads the code generated under the same rule).
 - `inductor`: inductor's own rule, unrestricted (may exceed the budget).
 Inductor still decides which allowed pairs to fuse, and its other checks (legality,
 cycles, profitability) all still apply.
