@@ -37,6 +37,24 @@ def test_compiled_model_charges_pointwise_ops_their_memory_reads_only():
     assert compiled(mul) == 0.0  # its input is a fused pointwise value
 
 
+def test_compiled_model_charges_the_write_of_a_pointwise_value_a_matmul_reads():
+    """A matmul (or attention, a convolution) cannot fuse its pointwise producer, so
+    inductor writes the value out, recomputed or not: it costs its reads plus its write.
+    Reductions and other pointwise ops fuse it (no write), and views are looked through."""
+
+    def f(x, w):
+        a = torch.tanh(x)                 # read by a matmul through a view: written
+        b = torch.sigmoid(x)              # read by a reduction and a pointwise op: fused
+        return torch.mm(a.t().t(), w), b.sum(), b * 2.0
+
+    gm = make_fx(f)(torch.randn(64, 32), torch.randn(32, 16))
+    aten = torch.ops.aten
+    compiled = costs.cost_function("compiled", SPEED)
+    x_bytes = 64 * 32 * 4
+    assert compiled(_node(gm, aten.tanh.default)) == pytest.approx(2 * x_bytes / SPEED.bandwidth_bytes_per_s)
+    assert compiled(_node(gm, aten.sigmoid.default)) == pytest.approx(x_bytes / SPEED.bandwidth_bytes_per_s)
+
+
 def test_unknown_cost_model_is_refused_with_the_valid_ones():
     with pytest.raises(RematError, match="valid cost models: \\['eager', 'compiled', 'compiled-traffic'\\]"):
         costs.cost_function("fast", SPEED)
