@@ -44,10 +44,11 @@ class AutoOptions(Options):
     default_time_limit_s: float = 10.0
     """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
     seconds)."""
-    layers_max_block_configs: int = 1 << 14
-    """max_block_configs given to `layers` (its own default, 2^17, admits the traced
-    GPT-2 and LLaMA attention blocks, whose tables take minutes of CPU to build cold:
-    more than auto's time; bench/depth.py --solve-only measures them)."""
+    layers_max_block_configs: int = 1 << 17
+    """max_block_configs given to `layers` (its own default): admits the traced GPT-2
+    and LLaMA attention blocks (57,600 and 95,040 configurations), whose tables build
+    cold in about 2.5 and 6 CPU s (bench/depth.py --solve-only, session 27) and charge
+    about 2.9 and 5.3 nominal s (TABLE_STEPS_PER_S), inside default_time_limit_s."""
     hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing

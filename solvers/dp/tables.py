@@ -163,7 +163,7 @@ def _shared_table(problem: Problem, form: _Form, later: list[_Form], limit: int,
         return pending.pop(form.sig)[0]
     table, n_configs, steps = hit
     for k in range(n_configs):  # charge the clock exactly as building it did: same plans, same limits
-        clock.charge_steps(steps)
+        clock.charge_table_steps(steps)
         if k % 256 == 0 and clock.expired:
             raise UnsupportedProblem(f"dp: time limit reached while tabulating block {form.block.index} "
                                      f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
@@ -217,7 +217,7 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
     groups: list[dict[tuple, list]] = [{} for _ in shifts]
     for k, config in enumerate(configs):
         # Work: one local evaluation per (config, context), each about the block's size.
-        clock.charge_steps(len(modes_prev) * len(block.values))
+        clock.charge_table_steps(len(modes_prev) * len(block.values))
         if k % 256 == 0 and clock.expired:
             raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
                                      f"({len(configs)} configurations); raise time_limit_s or use 'ilp'",
