@@ -202,3 +202,6 @@ def test_layers_admits_traced_attention_blocks_and_auto_passes_the_same_limit(mo
     problem = builders.with_budget_fraction(stack(3, 0), 0.8)
     assert solve(problem, "auto", brute_max=0).solver == "auto"
     assert seen == [AutoOptions().layers_max_block_configs] == [LayersOptions().max_block_configs]
+    # at budget 0 (the floor search's) nothing fits and layers' answer would be dropped
+    assert solve(problem.with_budget(0), "auto", brute_max=0).status is Status.INFEASIBLE
+    assert len(seen) == 1
