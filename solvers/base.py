@@ -77,6 +77,10 @@ class WorkClock:
     def charge_table_steps(self, steps: int) -> None:
         self.spent_s += steps / TABLE_STEPS_PER_S
 
+    def affords_table_steps(self, steps: int) -> bool:
+        """Whether charging `steps` table steps would leave the clock within its limit."""
+        return not self.spent_s + steps / TABLE_STEPS_PER_S > self.limit_s
+
     def charge_s(self, seconds: float) -> None:
         self.spent_s += max(0.0, seconds)
 

@@ -155,8 +155,10 @@ def test_shared_block_tables_charge_the_clock_as_building_them_did():
     assert first.work_s == second.work_s > 0
     tight = first.work_s / 2  # less than building the tables takes: declined, cached or not
     for _ in range(2):
-        with pytest.raises(UnsupportedProblem, match="time limit"):
+        with pytest.raises(UnsupportedProblem, match="time limit") as declined:
             solve(problem, "dp", time_limit_s=tight)
+        # the table it cannot pay for is neither built nor charged
+        assert 0 <= declined.value.work_s <= tight
 
 
 def test_block_tables_are_charged_at_the_table_rate(monkeypatch):

@@ -170,12 +170,13 @@ def _charge(clock: WorkClock, index: int, n_configs: int, steps: int) -> None:
     """Charge a table's work (`steps` per configuration: one local evaluation per context
     of a_{b-1}, each about the block's size) all at once, before building it: a table the
     limit cannot pay for is declined without being built (a cut midway wasted up to the
-    whole limit of evaluations, in every solve that tried it)."""
-    clock.charge_table_steps(n_configs * steps)
-    if clock.expired:
+    whole limit of evaluations, in every solve that tried it), and its charge is left out
+    of the work reported (a caller such as the ILP's warm start keeps the rest of its time)."""
+    if not clock.affords_table_steps(n_configs * steps):
         raise UnsupportedProblem(f"dp: time limit reached while tabulating block {index} "
                                  f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
                                  work_s=clock.spent_s)
+    clock.charge_table_steps(n_configs * steps)
 
 
 def _cached(sig: tuple, limit: int) -> Entry | None:
