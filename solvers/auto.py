@@ -6,7 +6,8 @@ The choice, in order:
   2. repeated layers found by the front end (Problem.layers) whose blocks are small
      enough: `layers` (exact over its plan space, in which the few values shared
      between layers, such as a causal mask, are kept; lower_bound_s is over that space);
-     it gets `time_limit_s` (default `default_time_limit_s`) for its block tables;
+     it gets `time_limit_s` (default `default_time_limit_s`) for its block tables; not
+     tried at budget 0, where no plan fits;
   3. a chain or a sequence of blocks (dp.structure.analyze succeeds) whose blocks are
      small enough: `dp` (exact, seconds even at 10,000 nodes);
   4. otherwise `ilp` under `time_limit_s` (default 10 s): OPTIMAL, or FEASIBLE with a
@@ -44,10 +45,11 @@ class AutoOptions(Options):
     default_time_limit_s: float = 10.0
     """Time limit given to `ilp` and `layers` when time_limit_s is None (deterministic
     seconds)."""
-    layers_max_block_configs: int = 1 << 14
-    """max_block_configs given to `layers` (its own default, 2^17, admits the traced
-    GPT-2 and LLaMA attention blocks, whose tables take minutes of CPU to build cold:
-    more than auto's time; bench/depth.py --solve-only measures them)."""
+    layers_max_block_configs: int = 1 << 17
+    """max_block_configs given to `layers` (its own default): admits the traced GPT-2
+    and LLaMA attention blocks (57,600 and 95,040 configurations), whose tables build
+    cold in about 2.5 and 6 CPU s (bench/depth.py --solve-only, session 27) and charge
+    about 2.9 and 5.3 nominal s (TABLE_STEPS_PER_S), inside default_time_limit_s."""
     hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing
@@ -59,7 +61,9 @@ def choose(problem: Problem, options: AutoOptions) -> list[str]:
     order = []
     if len(problem.decision_ids) <= options.brute_max:
         order.append("brute")
-    if problem.layers is not None:
+    if problem.layers is not None and problem.budget_bytes > 0:
+        # at budget 0 (the floor search's query) nothing fits, and auto never returns
+        # layers' least peak over its narrower space: its tables would be built for nothing
         order.append("layers")
     order += ["dp", "ilp", "chen-greedy"]
     return [name for name in order if name in SOLVERS]

@@ -33,6 +33,21 @@ under the load of six parallel sessions, and ~1e6 unloaded; CP-SAT's own determi
 time (`max_deterministic_time`) is charged as it reports it."""
 
 
+TABLE_STEPS_PER_S = 4_000_000
+"""Rate of the deterministic clock for dp's block tables (solvers/dp/tables.py): this many
+charged table steps (a block's configurations times its values times the contexts of
+a_{b-1}, charged each time a solve uses a table, built or cached) count as one second.
+Measured cold (`layers`, max_block_configs 2^17, no table cache) on an idle machine of
+this 2-core kind (2026-11-27, session 27; bench/README.md, "The tables' clock"): charged
+steps per CPU second of `block_tables` 4.4-5.0e6 on GPT-2-12/48 (bench/depth.py) and on
+GPT-2 at bench size (bench/compare.py's, compiled-traffic), 3.5e6 on LLaMA-32. A charged
+step is less than a step of work: a cold solve builds each attention table once for
+the several uses it charges (layer 0's table comes in the same pass, and `layers`' two
+models share the tables). At WORK_STEPS_PER_S, the rate before two rounds of table
+speed-ups, GPT-2-12's tables charged 23.2 nominal s for 2.5 CPU s and LLaMA-32's 42.6
+for 6.0: over auto's default 10 s limit, so `auto` skipped `layers` there."""
+
+
 CPSAT_DET_PER_S = 0.5
 """CP-SAT deterministic seconds per nominal second: its deterministic time runs slower
 than CPU time on these models (LP-heavy search). Measured per solve under `ilp`, one
@@ -46,7 +61,7 @@ stretch: it made the default 10 s limit about 3 s of an idle core.)"""
 
 class WorkClock:
     """A deterministic clock in nominal seconds: solvers charge the work they do
-    (simulated steps at WORK_STEPS_PER_S, CP-SAT's deterministic time at
+    (simulated steps at WORK_STEPS_PER_S, dp's table steps at TABLE_STEPS_PER_S, CP-SAT's deterministic time at
     CPSAT_DET_PER_S, what sub-solvers report in `Plan.work_s`) and stop when it runs
     out. Unlike the wall clock it does not depend on the machine's load, so a search cut
     by its limit still returns the same plan every time; on an idle machine a nominal
@@ -58,6 +73,13 @@ class WorkClock:
 
     def charge_steps(self, steps: int) -> None:
         self.spent_s += steps / WORK_STEPS_PER_S
+
+    def charge_table_steps(self, steps: int) -> None:
+        self.spent_s += steps / TABLE_STEPS_PER_S
+
+    def affords_table_steps(self, steps: int) -> bool:
+        """Whether charging `steps` table steps would leave the clock within its limit."""
+        return not self.spent_s + steps / TABLE_STEPS_PER_S > self.limit_s
 
     def charge_s(self, seconds: float) -> None:
         self.spent_s += max(0.0, seconds)

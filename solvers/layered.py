@@ -64,7 +64,7 @@ class LayersOptions(DPOptions):
     replay): one pass over such a block (layer 0's table comes with the others',
     dp/tables.py) takes about 2 (GPT-2) and 5 (LLaMA) CPU s cold on one core, once
     per process (and then on disk) for every depth and budget. `auto` passes
-    its own, smaller limit (AutoOptions.layers_max_block_configs)."""
+    AutoOptions.layers_max_block_configs (the same 2^17 since session 27)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

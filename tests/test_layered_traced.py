@@ -110,19 +110,28 @@ def test_llama_stack_splits_into_blocks_per_layer():
     assert len(seq.blocks) >= 2 * len(case.blocks)
 
 
-@pytest.mark.parametrize("fraction", [0.9, 0.6])
-def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
-    """GPT-2 (tiny) under "compiled-traffic" (saving a pointwise value the backward reads
-    costs its traffic): layers, which used to decline save costs, finds the ILP's optimum
-    (at 60% with saved pointwise values charged), and its objective is simulate's."""
-    from solvers import decisions_all, simulate, solve
+@functools.lru_cache(maxsize=None)
+def _gpt2_traffic(fraction: float):
+    """GPT-2 (tiny) traced under "compiled-traffic" with the loss as its only output, at
+    `fraction` of its no-remat peak."""
+    from solvers import decisions_all, simulate
 
     case = zoo.build("gpt2", size="tiny")
     problem = remat.plan(case.model, case.args, dict(case.kwargs), budget="100%", solver="none",
                          cost_model="compiled-traffic", outputs="loss").problem
     assert problem.save_charged and problem.layers is not None
     full = simulate(problem, decisions_all(problem, Decision.SAVE)).peak_bytes
-    problem = problem.with_budget(int(full * fraction))
+    return problem.with_budget(int(full * fraction))
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.6])
+def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
+    """GPT-2 (tiny) under "compiled-traffic" (saving a pointwise value the backward reads
+    costs its traffic): layers, which used to decline save costs, finds the ILP's optimum
+    (at 60% with saved pointwise values charged), and its objective is simulate's."""
+    from solvers import simulate, solve
+
+    problem = _gpt2_traffic(fraction)
     plan, ilp = solve(problem, "layers"), solve(problem, "ilp")
     ev = simulate(problem, plan)
     assert plan.status is Status.OPTIMAL and ilp.status is Status.OPTIMAL
@@ -130,3 +139,20 @@ def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
     assert plan.objective_s <= ilp.objective_s * (1 + 1e-6)
     assert plan.objective_s == pytest.approx(ilp.objective_s, rel=1e-6)
     assert (ev.save_s > 0) is (fraction < 0.75)
+
+
+def test_auto_plans_traced_gpt2_with_layers_at_its_default_limit():
+    """auto's defaults admit `layers` on a traced GPT-2: its 57,600-configuration attention
+    block is under layers_max_block_configs, and the tables' deterministic charge (about
+    3 nominal s; TABLE_STEPS_PER_S, calibrated on ~2.5 cpu s of building them cold) is
+    under default_time_limit_s. At the old rate (WORK_STEPS_PER_S) the same tables
+    charged ~23 s and auto fell back to the ILP."""
+    from solvers import solve
+    from solvers.auto import AutoOptions
+
+    problem = _gpt2_traffic(0.6)
+    plan, layers = solve(problem, "auto"), solve(problem, "layers")
+    assert layers.solver == "layers" and plan.solver == "auto"
+    assert plan.decisions == layers.decisions and plan.work_s == layers.work_s
+    assert plan.status is layers.status and plan.lower_bound_s == layers.lower_bound_s
+    assert 2.0 < layers.work_s < 4.0 < AutoOptions().default_time_limit_s

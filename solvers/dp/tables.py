@@ -162,13 +162,21 @@ def _shared_table(problem: Problem, form: _Form, later: list[_Form], limit: int,
             pending[sig] = entry
         return pending.pop(form.sig)[0]
     table, n_configs, steps = hit
-    for k in range(n_configs):  # charge the clock exactly as building it did: same plans, same limits
-        clock.charge_steps(steps)
-        if k % 256 == 0 and clock.expired:
-            raise UnsupportedProblem(f"dp: time limit reached while tabulating block {form.block.index} "
-                                     f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
-                                     work_s=clock.spent_s)
+    _charge(clock, form.block.index, n_configs, steps)  # as building it did: same plans, same limits
     return table
+
+
+def _charge(clock: WorkClock, index: int, n_configs: int, steps: int) -> None:
+    """Charge a table's work (`steps` per configuration: one local evaluation per context
+    of a_{b-1}, each about the block's size) all at once, before building it: a table the
+    limit cannot pay for is declined without being built (a cut midway wasted up to the
+    whole limit of evaluations, in every solve that tried it), and its charge is left out
+    of the work reported (a caller such as the ILP's warm start keeps the rest of its time)."""
+    if not clock.affords_table_steps(n_configs * steps):
+        raise UnsupportedProblem(f"dp: time limit reached while tabulating block {index} "
+                                 f"({n_configs} configurations); raise time_limit_s or use 'ilp'",
+                                 work_s=clock.spent_s)
+    clock.charge_table_steps(n_configs * steps)
 
 
 def _cached(sig: tuple, limit: int) -> Entry | None:
@@ -211,17 +219,12 @@ def _table(problem: Problem, block: Block, shifts: list[_Shift], limit: int, clo
     and only the kept ones get a shifted Local."""
     evaluator = BlockEvaluator(problem, block, fixed, prev_workspace=0)
     configs = enumerate_configs(problem, block, limit)
+    modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
+    _charge(clock, block.index, len(configs), len(modes_prev) * len(block.values))
     doomed = doomed_test(problem, block)
     worse = save_instead_mask(problem, block, configs)
-    modes_prev = problem.allowed(block.prev) if block.prev is not None else (None,)
     groups: list[dict[tuple, list]] = [{} for _ in shifts]
     for k, config in enumerate(configs):
-        # Work: one local evaluation per (config, context), each about the block's size.
-        clock.charge_steps(len(modes_prev) * len(block.values))
-        if k % 256 == 0 and clock.expired:
-            raise UnsupportedProblem(f"dp: time limit reached while tabulating block {block.index} "
-                                     f"({len(configs)} configurations); raise time_limit_s or use 'ilp'",
-                                     work_s=clock.spent_s)
         if doomed(config):
             continue  # every replay raises InvalidLocal: no option
         if worse[k]:
