@@ -79,3 +79,10 @@ def test_fusions_already_made_use_up_the_room():
     guard.commit(nodes[0], nodes[2])
     assert guard.live == [50, 60, 40, 95, 100]
     assert not guard.fits(nodes[1], nodes[3])  # now 60 + 55 at position 1
+
+
+def test_a_node_the_order_before_fusion_does_not_know_is_not_fused_far():
+    nodes, guard = _schedule([10, 10, 10], [10, 20, 30])
+    stranger = Node("made_later", 2, 0)
+    assert not guard.fits(nodes[0], stranger)
+    assert guard.fits(nodes[0], nodes[2])

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 FUSION_MODES = ("peak", "neighbours", "inductor")
@@ -104,6 +103,8 @@ class _PeakGuard:
         names = {n.get_name() for n in second.get_nodes()} | set(second.ancestors)
         moved = sorted((w for name in names if (w := self.where.get(name)) and w[0] > first.min_order),
                        reverse=True)
+        if not moved:  # a node not in the order before fusion: nothing known, nothing allowed
+            return [(first.min_order, self.cap + 1)]
         out, extra, k = [], 0, 0
         for t in range(moved[0][0] - 1, first.min_order - 1, -1):
             while k < len(moved) and moved[k][0] > t:
