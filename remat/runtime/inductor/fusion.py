@@ -65,16 +65,21 @@ class FusionEstimate:
     after_fusion_bytes: int
 
 
-def _estimate_bytes(nodes: list[Any]) -> int:
+def _estimate(nodes: list[Any]) -> tuple[int, list[int]]:
+    """Inductor's estimate (`torch._inductor.memory`) of the graph's peak and of the bytes
+    live at each position of `nodes`, after its allocations (its last entry: after them
+    all)."""
     from torch._inductor import memory
     from torch._inductor.virtualized import V
     from torch.utils._ordered_set import OrderedSet
 
     scheduler = nodes[0].scheduler
-    peak, _ = memory.prepare_planning_info(
+    outputs = OrderedSet(V.graph.get_output_names())
+    _, freeable = memory.prepare_planning_info(
         list(nodes), scheduler.name_to_buf, scheduler.name_to_fused_node,
-        OrderedSet(V.graph.graph_inputs.keys()), OrderedSet(V.graph.get_output_names()))
-    return int(peak)
+        OrderedSet(V.graph.graph_inputs.keys()), outputs)
+    peak, live = memory.estimate_peak_memory(nodes, freeable, outputs)
+    return int(peak), live
 
 
 def _allocated_bytes(node: Any) -> int:
@@ -154,18 +159,10 @@ def _restrict(scheduler: Any, allocation_free: frozenset[int], guard: _PeakGuard
     scheduler.fuse_two_nodes = fuse_two_nodes
 
 
-def _live_before_fusion(nodes: list[Any]) -> list[int] | None:
-    """Inductor's estimate of the bytes live at each position (after `_estimate_bytes`
-    assigned the planning info); None when positions and `min_order` disagree."""
-    from torch._inductor import memory
-    from torch._inductor.virtualized import V
-    from torch.utils._ordered_set import OrderedSet
-
-    if any(n.min_order != i or n.max_order != i for i, n in enumerate(nodes)):
-        return None
-    freeable = memory.get_freeable_input_buf(nodes, OrderedSet(V.graph.graph_inputs.keys()))
-    _, live = memory.estimate_peak_memory(nodes, freeable, OrderedSet(V.graph.get_output_names()))
-    return live[:len(nodes)]
+def _in_order(nodes: list[Any]) -> bool:
+    """Whether each node's position is its `min_order` = `max_order` (the guard's
+    positions are those of the estimate)."""
+    return all(n.min_order == i == n.max_order for i, n in enumerate(nodes))
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,12 +196,13 @@ def _pass_classes() -> tuple[type, type]:
         def __call__(self, nodes: list[Any]) -> list[Any]:
             if not nodes:
                 return nodes
-            self.pending_bytes = _estimate_bytes(nodes)
+            self.pending_bytes, live = _estimate(nodes)
             if self.mode != "inductor":
-                live = _live_before_fusion(nodes) if self.mode == "peak" else None
+                guard = None
+                if self.mode == "peak" and _in_order(nodes):
+                    guard = _PeakGuard(nodes, live[:len(nodes)])
                 free = frozenset(n.min_order for n in nodes if isinstance(n, NopKernelSchedulerNode))
-                # this compile's scheduler object only
-                _restrict(nodes[0].scheduler, free, None if live is None else _PeakGuard(nodes, live))
+                _restrict(nodes[0].scheduler, free, guard)  # this compile's scheduler object only
             return nodes
 
     class AfterFusion(_Shared):
@@ -221,7 +219,7 @@ def _pass_classes() -> tuple[type, type]:
             if nodes and before is not None:
                 graph = "backward" if V.graph.is_backward else "forward"
                 self.record.append(FusionEstimate(graph=graph, before_fusion_bytes=before,
-                                                  after_fusion_bytes=_estimate_bytes(nodes)))
+                                                  after_fusion_bytes=_estimate(nodes)[0]))
             if self.stop is not None:
                 raise self.stop  # an estimate only (remat.runtime.inductor.estimate)
             return nodes
