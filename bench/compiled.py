@@ -75,11 +75,16 @@ def prepare_torch_compile(case: zoo.ModelCase, budget: float) -> compare.Prepare
     return compare.Prepared(case=case, step=step, plan_s=time.perf_counter() - started)
 
 
-def prepare_remat_inductor(case: zoo.ModelCase, budget: int | str, **options: Any) -> compare.Prepared:
-    """`options`: more `remat.backend` arguments (cost_model=...)."""
+def prepare_remat_inductor(case: zoo.ModelCase, budget: int | str, *, reset: bool = True,
+                           **options: Any) -> compare.Prepared:
+    """`options`: more `remat.backend` arguments (cost_model=...). `reset=False` keeps
+    what dynamo compiled before: `torch._dynamo.reset()` makes an earlier
+    `prepare_torch_compile` step recompile on its next call, outside its budget's patch,
+    so at torch's default budget (1.0)."""
     import remat
 
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     # the caller keeps the loss only, as the torch.compile rows' step does
     be = remat.backend(budget=budget, outputs="loss", **options)
     step = _compiled_step(case, torch.compile(_one_graph(case).model, backend=be))

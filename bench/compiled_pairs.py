@@ -43,16 +43,25 @@ def _peak(prepared: compare.Prepared) -> int:
     return measure_step_profiler(prepared.step, register=compare._register(prepared.case)).peak_bytes
 
 
+def _compiles() -> int:
+    """Frames dynamo has compiled so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def pair(model: str, size: str, budget: float, pairs: int, **options) -> dict:
     """`options`: more `remat.backend` arguments."""
     torch._dynamo.reset()
     ours = compiled.prepare_torch_compile(zoo.build(model, size=size), budget)
     torch_peak = _peak(ours)
-    remat = compiled.prepare_remat_inductor(zoo.build(model, size=size), torch_peak, **options)
+    # no dynamo reset: it would make `ours` recompile at torch's default budget
+    remat = compiled.prepare_remat_inductor(zoo.build(model, size=size), torch_peak, reset=False, **options)
     remat_peak = _peak(remat)
+    compiles = _compiles()
     for _ in range(3):
         compare._timed(ours), compare._timed(remat)
     times = [(compare._timed(ours), compare._timed(remat)) for _ in range(pairs)]
+    if _compiles() != compiles:
+        raise RuntimeError(f"{model} at {budget:g}: a step recompiled while timed; the pair is void")
     return {
         "model": model, "budget": budget, "torch_peak": torch_peak, "remat_peak": remat_peak,
         "remat_predicted": remat.predicted_peak_bytes,
