@@ -147,8 +147,8 @@ class Planned(nn.Module):
                                    device_speed=self.__dict__["_remat_device_speed"],
                                    sum_gradients_in_place=True,
                                    # the budget is the allocator's count: kernel scratch
-                                   # counts (compile=True: the backend's own default)
-                                   measure_workspace_by_default=not self.compile,
+                                   # counts (compiled too: the backend's own default)
+                                   measure_workspace_by_default=True,
                                    cost_model=self.cost_model or "eager",
                                    # inductor's graphs keep random ops saved: plan the same space
                                    replay_rng=self.options.get("replay_rng", not self.compile),

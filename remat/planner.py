@@ -87,7 +87,7 @@ class Partitioner:
         (`remat.floor`): the eager runtime's default (`remat.plan`'s `schedules` option)."""
         self.measure_workspace_by_default = measure_workspace_by_default
         """Measure op workspace when the `measure_workspace` option is not given (True from
-        `remat.plan`'s eager runtime; the backend keeps its own default)."""
+        `remat.plan` and `remat.backend`)."""
         self.budget_for = budget_for
         """The budget in bytes given this graph's no-remat peak, instead of resolving
         `budget` against it (the whole-step ledger's share, `runtime.step.ledger`)."""
@@ -213,6 +213,12 @@ class Partitioner:
         self._problem_cache = (joint, key, built)
         return built
 
+    @property
+    def measures_workspace(self) -> bool:
+        """Whether the plans count each op's measured workspace (`_measures_workspace`)."""
+        return _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
+                                   self.measure_workspace_by_default)
+
     def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
@@ -227,8 +233,7 @@ class Partitioner:
                            sum_gradients_in_place=self.sum_gradients_in_place,
                            drop_outputs=self.drop_outputs)
         options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng", "schedules")}
-        measured = _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
-                                       self.measure_workspace_by_default)
+        measured = self.measures_workspace
         if measured:
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
         if replayable is not None:

@@ -177,6 +177,9 @@ class RematBackend:
                                   offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs),
                                   budget_for=budget_for, best_effort=best_effort,
                                   drop_outputs=self.outputs == "loss",
+                                  # kernel scratch is what the allocator serves too
+                                  # (the estimate of the generated code counts it alike)
+                                  measure_workspace_by_default=True,
                                   random_s_per_element=self._random_s_per_element())
         try:
             if self.compiler == "eager":

@@ -65,7 +65,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         key = (fw.code, bw.code)
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
             estimated[key] = estimate_fusion(((fw, False), (bw, True)), fusion=fusion,
-                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"))[1]
+                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"),
+                                             workspace=partitioner.measures_workspace)[1]
         return estimated[key]
 
     for replan in range(MAX_REPLANS + 2):

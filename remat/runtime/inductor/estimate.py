@@ -103,9 +103,11 @@ def uncounted_inputs(gm: fx.GraphModule, views: frozenset[str] = frozenset()) ->
                      and (n.name.startswith(NOT_COUNTED_INPUTS) or is_loss_seed(n) or n.name in views))
 
 
-def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset()) -> int:
+def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
+                   workspace: dict[str, int] | None = None) -> int:
     """Peak of `gm` run op by op (see `GraphBytes`; `uncounted`: inputs left out, see
-    `uncounted_inputs`); views share their base's storage."""
+    `uncounted_inputs`); views share their base's storage; `workspace` (node name ->
+    bytes, `graph_workspace`) is live while its node runs, as `solvers.simulate` counts it."""
     from torch.utils._pytree import tree_leaves
 
     from remat.frontend.profile import storage_bytes, storage_key
@@ -127,11 +129,52 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset()) 
         if counted:
             delta[first] += nbytes
             delta[last + 1] -= 0 if key in outputs else nbytes
+    workspace = workspace or {}
+    extra = [workspace.get(n.name, 0) for n in nodes] + [0]
     live = peak = 0
-    for d in delta:
+    for d, ws in zip(delta, extra):
         live += d
-        peak = max(peak, live)
+        peak = max(peak, live + ws)
     return peak
+
+
+def graph_workspace(gm: fx.GraphModule) -> dict[str, int]:
+    """Each op's measured workspace in `gm` (`remat.frontend.workspace`, cached per op
+    signature: the planner measured the same ops), by node name; none on meta tensors."""
+    from remat.frontend import workspace
+
+    device = workspace.joint_device(gm)
+    if device is None or device.type == "meta":
+        return {}
+    return workspace.measure([n for n in gm.graph.nodes if n.op == "call_function"], device)
+
+
+def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
+    """What an extern kernel's call holds beyond what its line allocates, until it
+    returns: its workspace (`workspace`, FX name -> bytes: its origin node's, else the
+    largest of its origins') and, for a kernel returning several tensors, all of them
+    (their `MultiOutputLine`s follow the call, interleaved with frees of its inputs,
+    which come later in fact: on LLaMA tiny's attention backward the walk without them
+    read 155,528 B under the profiler). 0 for any other line."""
+    from torch._inductor.codegen import wrapper as w
+    from torch.utils._pytree import tree_leaves
+
+    if not isinstance(line, (w.ExternKernelAllocLine, w.ExternKernelOutLine)):
+        return 0
+    node = line.node
+    origin = getattr(node, "origin_node", None)
+    origins = [origin] if origin is not None else list(getattr(node, "origins", None) or ())
+    scratch = max((workspace.get(o.name, 0) for o in origins), default=0)
+    outputs = [o for o in tree_leaves(getattr(node, "outputs", None) or []) if hasattr(o, "get_name")]
+    return scratch + sum(_multi_output_bytes(o.get_name()) for o in outputs if o is not node)
+
+
+def _multi_output_bytes(name: str) -> int:
+    """Bytes of one output of a kernel returning several (none where it aliases an input)."""
+    from torch._inductor.virtualized import V
+
+    buffer = V.graph.try_get_buffer(name)
+    return _buffer_bytes(buffer) if buffer is not None and not buffer.get_inputs_that_alias_output() else 0
 
 
 def _buffer_bytes(node: Any) -> int:
@@ -152,13 +195,11 @@ def _allocated_bytes(line: Any) -> int:
     """What one wrapper line allocates: a planned allocation, or a buffer an extern
     kernel returns (a fallback op's result, one of its tuple's outputs)."""
     from torch._inductor.codegen import wrapper as w
-    from torch._inductor.virtualized import V
 
     if isinstance(line, (w.AllocateLine, w.ExternKernelAllocLine)):
         return _buffer_bytes(line.node)
     if isinstance(line, w.MultiOutputLine):
-        buffer = V.graph.try_get_buffer(line.result_name)
-        return _buffer_bytes(buffer) if buffer is not None and not buffer.get_inputs_that_alias_output() else 0
+        return _multi_output_bytes(line.result_name)
     return 0
 
 
@@ -171,14 +212,17 @@ def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, i
             if n.name not in uncounted and isinstance(n.meta.get("val"), torch.Tensor)}
 
 
-def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None) -> int:
+def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None,
+                    workspace: dict[str, int] | None = None) -> int:
     """Peak of the graph inductor is generating (`V.graph`), from its wrapper's planned
     lines: an allocation (or a buffer an extern kernel returns) adds its bytes, a free
     not turned into a reuse removes them, a reuse hands a buffer on (no change). Inputs
     (`counted`: name -> storage, see `counted_inputs`) count once per storage from the
     start, until the free of the last one sharing it or a reuse that hands it on; `sizes`
     (name -> bytes) gives an input's storage bytes where the graph's own input layout
-    does not (a saved value the forward's code returns in a buffer of its own)."""
+    does not (a saved value the forward's code returns in a buffer of its own).
+    `workspace` (FX name -> bytes): an extern kernel's scratch, live while it runs
+    (`_in_call_bytes`)."""
     from torch._inductor.codegen import wrapper as w
     from torch._inductor.virtualized import V
 
@@ -206,7 +250,7 @@ def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None
                 live -= 0 if names else storage_bytes.pop(key, 0)
         else:
             live += _allocated_bytes(line)
-            peak = max(peak, live)
+            peak = max(peak, live + _in_call_bytes(line, workspace or {}))
     return peak
 
 
@@ -244,15 +288,15 @@ def _generated(error: BaseException | None) -> bool:
 
 @contextlib.contextmanager
 def _stop_before_kernels(record: list[int], counted: dict[str, Any], sizes: dict[str, int],
-                         outputs: list[Any]):
+                         outputs: list[Any], workspace: dict[str, int]):
     """Stop inductor's compile once it has its wrapper code, recording `generated_bytes`
-    (`counted`, `sizes`: see there) and `output_storages` (into `outputs`):
+    (`counted`, `sizes`, `workspace`: see there) and `output_storages` (into `outputs`):
     `GraphLowering.save_output_code` is inductor's hook on the finished code, called
     before any kernel is compiled (torch marks it for patching)."""
     from torch._inductor.graph import GraphLowering
 
     def stop(_code: str) -> None:
-        record.append(generated_bytes(counted, sizes))
+        record.append(generated_bytes(counted, sizes, workspace))
         outputs.extend(output_storages())
         raise _Generated
 
@@ -311,7 +355,7 @@ def _donating(idxs: list[int] | None):
 
 
 def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: str,
-                    num_fwd_outputs: int | None = None
+                    num_fwd_outputs: int | None = None, workspace: bool = False
                     ) -> tuple[tuple[FusionEstimate, ...], tuple[GraphBytes, ...]]:
     """Each `(graph, is_backward)` lowered and generated by inductor (no kernel is
     compiled), under the inductor config in force (the backend's compile) with `fusion`'s
@@ -319,7 +363,9 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     vs as generated. `num_fwd_outputs` (a forward then its backward): the backward's
     donated inputs are passed to inductor as the real compile will. A forward comes
     before its backward: the backward's saved inputs are counted in the storages the
-    forward's code returns them in (`output_storages`)."""
+    forward's code returns them in (`output_storages`). `workspace`: both accountings
+    count each op's measured scratch while it runs (`graph_workspace`), as remat's plan
+    does when it measured workspace; either both or neither, or the margin is off by it."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch.utils._pytree import tree_leaves
@@ -335,7 +381,8 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
                    if is_backward and forward is not None and num_fwd_outputs is not None else None)
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             graph = copy.deepcopy(gm)  # post-grad passes rewrite it in place
-        op_by_op = op_by_op_bytes(gm, uncounted)
+        scratch = graph_workspace(gm) if workspace else {}
+        op_by_op = op_by_op_bytes(gm, uncounted, scratch)
         passes = fusion_passes(fusion, record)
         generated: list[int] = []
         outputs: list[Any] = []
@@ -344,7 +391,7 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
         if is_backward:  # saved values held in the storages the forward's code returns them in
             for name in counted.keys() & returned.keys():
                 counted[name], sizes[name] = ("forward", returned[name][0]), returned[name][1]
-        stop = _stop_before_kernels(generated, counted, sizes, outputs)
+        stop = _stop_before_kernels(generated, counted, sizes, outputs, scratch)
         try:
             with config.patch({**passes, "fx_graph_cache": False}), stop, _donating(donated):
                 compile_fx_inner(graph, _example_inputs(graph), is_backward=is_backward)
