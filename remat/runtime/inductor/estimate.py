@@ -254,12 +254,14 @@ def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None
     return peak
 
 
-def output_storages() -> list[tuple[str, int] | None]:
+def output_storages() -> list[tuple[str, int, bool] | None]:
     """Each output of the graph inductor is generating (`V.graph.graph_outputs`, in the
-    FX output's order): the buffer or input whose storage it is, and that storage's
-    bytes; None where it is no tensor. Inductor may return a view the FX graph makes (a
-    saved `expand`, whose storage is its base's) in a buffer of its own, dense, when it
-    realized the view for a kernel anyway (LLaMA's `repeat_kv` before attention)."""
+    FX output's order): the buffer or input whose storage it is, that storage's bytes,
+    and whether it is one of the graph's inputs; None where it is no tensor. Inductor may
+    return a view the FX graph makes (a saved `expand`, whose storage is its base's) in
+    a buffer of its own, dense, when it realized the view for a kernel anyway (LLaMA's
+    `repeat_kv` before attention), and a saved input in a copy of its own (a convolution's
+    weight and input, converted to channels-last for its kernel)."""
     from torch._inductor.virtualized import V
 
     out: list[tuple[str, int] | None] = []
@@ -270,8 +272,13 @@ def output_storages() -> list[tuple[str, int] | None]:
             out.append(None)
             continue
         buf = V.graph.try_get_buffer(name)
-        out.append((name, _buffer_bytes(buf)) if buf is not None and hasattr(buf, "get_output_spec") else None)
+        out.append((name, _buffer_bytes(buf), name in V.graph.graph_inputs)
+                   if buf is not None and hasattr(buf, "get_output_spec") else None)
     return out
+
+
+def _tensor_inputs(gm: fx.GraphModule) -> set[str]:
+    return {n.name for n in gm.graph.find_nodes(op="placeholder") if isinstance(n.meta.get("val"), torch.Tensor)}
 
 
 def _example_inputs(gm: fx.GraphModule) -> list[Any]:
@@ -374,7 +381,7 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     measured: list[GraphBytes] = []
     views = frozenset().union(*[input_views(gm) for gm, is_backward in graphs if not is_backward])
     forward = next((gm for gm, is_backward in graphs if not is_backward), None)
-    returned: dict[str, tuple[str, int]] = {}  # forward output name -> its storage as generated
+    returned: dict[str, tuple[str, int, bool]] = {}  # forward output name -> its storage as generated
     for gm, is_backward in graphs:
         uncounted = uncounted_inputs(gm, views)
         donated = (donated_inputs(forward, gm, num_fwd_outputs)
@@ -391,6 +398,9 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
         if is_backward:  # saved values held in the storages the forward's code returns them in
             for name in counted.keys() & returned.keys():
                 counted[name], sizes[name] = ("forward", returned[name][0]), returned[name][1]
+            for name in (returned.keys() - counted.keys()) & _tensor_inputs(gm):
+                if not returned[name][2]:  # a saved input the forward's code copied: held
+                    counted[name], sizes[name] = ("forward", returned[name][0]), returned[name][1]
         stop = _stop_before_kernels(generated, counted, sizes, outputs, scratch)
         try:
             with config.patch({**passes, "fx_graph_cache": False}), stop, _donating(donated):
