@@ -71,15 +71,24 @@ def call_cost_s(model, response) -> float:
     return max(response.deterministic_time / CPSAT_DET_PER_S, counted)
 
 
+PRIOR_CONSTRAINTS = 16_000
+PRIOR_INTERVALS = 100
+"""The first call on a model assumes CPSAT_DET_PER_S / (1 + constraints / 16,000 +
+intervals / 100) deterministic seconds per nominal second. On the depth graphs' rows
+models (18,911, 35,838 and 52,530 constraints; GPT-2-12, GPT-2-24, LLaMA-32) that is
+0.23, 0.15 and 0.12 where their calls showed 0.13-0.26, 0.12-0.15 and 0.14-0.17; on their
+full models (1,080, 2,088 and 2,642 intervals) 0.038, 0.021 and 0.016 where they showed
+0.04, 0.015-0.018 and 0.023-0.031."""
+
+
 def det_per_s(model) -> float:
     """CP-SAT deterministic seconds per nominal second for the next call on `model`: the
-    ratio its earlier calls showed, else a prior from its size (the depth graphs' calls:
-    0.26, 0.15 and 0.15 for the rows models of 18,911, 35,838 and 52,530 constraints,
-    0.04, 0.017 and 0.027 for the full models with 1,080, 2,088 and 2,642 intervals); at
-    most CPSAT_DET_PER_S."""
+    ratio of its earlier calls' deterministic to charged seconds, else the prior from
+    its size (PRIOR_CONSTRAINTS); at most CPSAT_DET_PER_S."""
     if model.cpsat_charged_s > 0:
         return min(CPSAT_DET_PER_S, model.cpsat_det_s / model.cpsat_charged_s)
-    size = 1 + len(model.model.proto.constraints) / 12_000 + cumulative_intervals(model) / 100
+    size = (1 + len(model.model.proto.constraints) / PRIOR_CONSTRAINTS
+            + cumulative_intervals(model) / PRIOR_INTERVALS)
     return CPSAT_DET_PER_S / size
 
 
