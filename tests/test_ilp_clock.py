@@ -50,7 +50,7 @@ def test_a_call_is_charged_the_larger_of_its_deterministic_time_and_its_counts()
 def test_the_next_limit_follows_the_ratio_of_earlier_calls():
     problem, model = _full_model()
     # The first call: a prior from the model's size, never above CPSAT_DET_PER_S.
-    size = 1 + len(model.model.proto.constraints) / cost.PRIOR_CONSTRAINTS + 102 / cost.PRIOR_INTERVALS
+    size = 1 + len(model.model.proto.constraints) / cost.PRIOR_CONSTRAINTS + (102 / cost.PRIOR_INTERVALS) ** 1.5
     assert cost.det_per_s(model) == CPSAT_DET_PER_S / size
     model.cpsat_det_s, model.cpsat_charged_s = 0.3, 6.0
     assert cost.det_per_s(model) == pytest.approx(0.05)

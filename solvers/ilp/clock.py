@@ -72,13 +72,15 @@ def call_cost_s(model, response) -> float:
 
 
 PRIOR_CONSTRAINTS = 16_000
-PRIOR_INTERVALS = 100
+PRIOR_INTERVALS = 212
 """The first call on a model assumes CPSAT_DET_PER_S / (1 + constraints / 16,000 +
-intervals / 100) deterministic seconds per nominal second. On the depth graphs' rows
-models (18,911, 35,838 and 52,530 constraints; GPT-2-12, GPT-2-24, LLaMA-32) that is
+(intervals / 212) ** 1.5) deterministic seconds per nominal second. On the depth graphs'
+rows models (18,911, 35,838 and 52,530 constraints; GPT-2-12, GPT-2-24, LLaMA-32) that is
 0.23, 0.15 and 0.12 where their calls showed 0.13-0.26, 0.12-0.15 and 0.14-0.17; on their
-full models (1,080, 2,088 and 2,642 intervals) 0.038, 0.021 and 0.016 where they showed
-0.04, 0.015-0.018 and 0.023-0.031."""
+full models (1,080, 2,088 and 2,642 intervals) 0.037, 0.014 and 0.010 where they showed
+0.04, 0.015-0.018 and 0.023-0.031; on BERT tiny's (zoo, 174 values) 0.22 where it showed
+0.27-0.28. A prior too low only ends the first call early: `ilp` calls again at the
+ratio it showed."""
 
 
 def det_per_s(model) -> float:
@@ -88,7 +90,7 @@ def det_per_s(model) -> float:
     if model.cpsat_charged_s > 0:
         return min(CPSAT_DET_PER_S, model.cpsat_det_s / model.cpsat_charged_s)
     size = (1 + len(model.model.proto.constraints) / PRIOR_CONSTRAINTS
-            + cumulative_intervals(model) / PRIOR_INTERVALS)
+            + (cumulative_intervals(model) / PRIOR_INTERVALS) ** 1.5)
     return CPSAT_DET_PER_S / size
 
 

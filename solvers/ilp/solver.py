@@ -157,7 +157,9 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
             if incumbent is not None:
                 log.warning("ilp: the model is infeasible but plan of cost %.6g fits", incumbent[0])
             break
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.UNKNOWN:  # its limit came first: again while time is left (clock.det_per_s)
+            continue
+        if status != cp_model.OPTIMAL and status != cp_model.FEASIBLE:
             break
         bound_s = max(bound_s, _lower_bound(solver, model))
         decisions = model.decisions_of(solver)
