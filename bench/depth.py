@@ -14,7 +14,8 @@ solver's plan space ('-' without a bound), solve s, rewrite s, objective (s).
 (reused while the file exists; --retrace rebuilds it), then one fresh process per model
 runs `solvers.solve(problem.with_budget(f * no-remat peak), solver)` for each budget in
 turn (the first budget is cold: no block table cached in the process) and reports CPU
-and wall seconds of that call only.
+and wall seconds of that call only, and the plan's `work_s` (the nominal seconds its
+deterministic clock charged).
 """
 
 from __future__ import annotations

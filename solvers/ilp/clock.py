@@ -5,22 +5,23 @@ transformer joint graphs of bench/depth.py (GPT-2 with 12-48 layers, LLaMA with 
 937-3,565 decision values) one deterministic second took 4-7 CPU seconds of the rows
 model and 25-85 of the full model (its Cumulative over 1,080-4,104 intervals), where
 `base.CPSAT_DET_PER_S` assumes 2 (measured on graphs of 100-340 values). So `ilp` with
-its default 10 s limit took 11-83 CPU s a row there (bench/README.md, "The ILP's clock
+its default 10 s limit took 12-78 CPU s a row there (bench/README.md, "The ILP's clock
 on deep graphs"). Counting what CP-SAT reports instead (one worker: deterministic
-counts) matches the CPU time within 1.5x on those graphs:
+counts) matches each call's CPU time within 1.5x on those graphs:
 
   cost = constraints / CONSTRAINTS_PER_S                       (presolve and loading)
        + integer propagations * (1 + intervals / 200) / PROPAGATIONS_PER_S
        + branches / BRANCHES_PER_S
 
 charged as the larger of that and the deterministic time at CPSAT_DET_PER_S (on the
-small graphs the deterministic time is usually the larger: their plans stay the same).
-Each call's deterministic limit converts the nominal seconds left at a ratio from the
-model's size, or lower where the model's earlier calls showed less deterministic time
-per charged second, so a solve stops near its limit; a call whose fixed cost
-the time left cannot pay for is not made. Building the model is charged up front per
-decision value, and declined the same way. Every count is deterministic: the same
-problem and options give the same plan under any load.
+small graphs the deterministic time is usually the larger: on random_dag(40-300) and the
+zoo's tiny GPT-2, LLaMA and ViT their plans stayed the same). Each call's deterministic
+limit converts the nominal seconds left at a ratio from the model's size, or lower where
+the model's earlier calls showed less deterministic time per charged second, so a solve
+stops near its limit; a call whose fixed cost the time left cannot pay for is not made.
+Building the model is charged up front per decision value, and declined the same way.
+Every count is deterministic: the same problem and options give the same plan under any
+load.
 """
 
 from __future__ import annotations

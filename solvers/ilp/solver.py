@@ -159,7 +159,7 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
             break
         if status == cp_model.UNKNOWN:  # its limit came first: again while time is left (clock.det_per_s)
             continue
-        if status != cp_model.OPTIMAL and status != cp_model.FEASIBLE:
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         bound_s = max(bound_s, _lower_bound(solver, model))
         decisions = model.decisions_of(solver)
