@@ -14,7 +14,8 @@ solver's plan space ('-' without a bound), solve s, rewrite s, objective (s).
 (reused while the file exists; --retrace rebuilds it), then one fresh process per model
 runs `solvers.solve(problem.with_budget(f * no-remat peak), solver)` for each budget in
 turn (the first budget is cold: no block table cached in the process) and reports CPU
-and wall seconds of that call only.
+and wall seconds of that call only, and the plan's `work_s` (the nominal seconds its
+deterministic clock charged).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def line(r: dict) -> str:
 PROBLEM_DIR = Path(os.environ.get("REMAT_DEPTH_PROBLEMS", "/tmp/remat-depth-problems"))
 
 SOLVE_HEADER = ("| model | layers | nodes | decisions | budget | solver | status | gap | solve cpu s | solve wall s "
-                "| objective (s) |\n|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|")
+                "| work s | objective (s) |\n|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
 
 
 def traced_problem(spec: str, directory: Path, retrace: bool = False) -> Path:
@@ -155,7 +156,8 @@ def solve_rows(path: Path, budgets: list[float], solver: str, options: dict) -> 
         rows.append(out | {
             "status": {Status.OPTIMAL: "opt", Status.FEASIBLE: "feas", Status.INFEASIBLE: "inf"}[plan.status],
             "gap": gap, "cpu_s": cpu, "wall_s": wall, "objective_s": plan.objective_s,
-            "lower_bound_s": plan.lower_bound_s, "peak_bytes": plan.peak_bytes, "budget_bytes": q.budget_bytes})
+            "lower_bound_s": plan.lower_bound_s, "peak_bytes": plan.peak_bytes, "budget_bytes": q.budget_bytes,
+            "work_s": plan.work_s})
     return rows
 
 
@@ -163,8 +165,9 @@ def solve_line(r: dict) -> str:
     head = (f"| {r['model']} | {r['layers']} | {r['nodes']} | {r['decisions']} | {r['budget']:.0%} | "
             f"{r['solver']} | {r['status']} |")
     if r["status"] == "n/a":
-        return f"{head} - | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['why']} |"
-    return f"{head} {_fmt(r['gap'], '.1%')} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['objective_s']:.7g} |"
+        return f"{head} - | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | - | {r['why']} |"
+    return (f"{head} {_fmt(r['gap'], '.1%')} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {r['work_s']:.1f} | "
+            f"{r['objective_s']:.7g} |")
 
 
 def solve_only(args: argparse.Namespace) -> list[dict]:

@@ -49,20 +49,24 @@ for 6.0: over auto's default 10 s limit, so `auto` skipped `layers` there."""
 
 
 CPSAT_DET_PER_S = 0.5
-"""CP-SAT deterministic seconds per nominal second: its deterministic time runs slower
-than CPU time on these models (LP-heavy search). Measured per solve under `ilp`, one
-worker, on an idle machine of this 2-core kind (2026-11-24; bench/README.md, "ILP clock"):
-0.34-0.78 deterministic seconds per CPU second (median 0.63) over random_dag(100),
-random_dag(300) and the GPT-2 and LLaMA bench joint graphs; 0.5 makes a nominal second
-0.64-1.5 s of one core on those, about one on the median problem. (The earlier 0.2 came
-from 0.12-0.38 measured under the load of six parallel sessions, where CPU seconds
-stretch: it made the default 10 s limit about 3 s of an idle core.)"""
+"""CP-SAT deterministic seconds per nominal second, at most: its deterministic time runs
+slower than CPU time on these models (LP-heavy search). Measured per solve under `ilp`,
+one worker, on an idle machine of this 2-core kind (2026-11-24; bench/README.md, "ILP
+clock"): 0.34-0.78 deterministic seconds per CPU second (median 0.63) over
+random_dag(100), random_dag(300) and the GPT-2 and LLaMA bench joint graphs; 0.5 makes a
+nominal second 0.64-1.5 s of one core on those, about one on the median problem. (The
+earlier 0.2 came from 0.12-0.38 measured under the load of six parallel sessions, where
+CPU seconds stretch: it made the default 10 s limit about 3 s of an idle core.) On
+bigger models the ratio falls far lower (0.012-0.26 on bench/depth.py's graphs of 937-3,565
+decision values), so `ilp` charges a call the larger of this and a count of what CP-SAT
+reports (solvers/ilp/clock.py)."""
 
 
 class WorkClock:
     """A deterministic clock in nominal seconds: solvers charge the work they do
-    (simulated steps at WORK_STEPS_PER_S, dp's table steps at TABLE_STEPS_PER_S, CP-SAT's deterministic time at
-    CPSAT_DET_PER_S, what sub-solvers report in `Plan.work_s`) and stop when it runs
+    (simulated steps at WORK_STEPS_PER_S, dp's table steps at TABLE_STEPS_PER_S, CP-SAT's
+    calls by their deterministic time and counts (solvers/ilp/clock.py), what sub-solvers
+    report in `Plan.work_s`) and stop when it runs
     out. Unlike the wall clock it does not depend on the machine's load, so a search cut
     by its limit still returns the same plan every time; on an idle machine a nominal
     second is roughly a second of one core, on a loaded one it takes longer."""
@@ -83,9 +87,6 @@ class WorkClock:
 
     def charge_s(self, seconds: float) -> None:
         self.spent_s += max(0.0, seconds)
-
-    def charge_cpsat(self, deterministic_s: float) -> None:
-        self.spent_s += max(0.0, deterministic_s) / CPSAT_DET_PER_S
 
     @property
     def left_s(self) -> float:

@@ -59,6 +59,9 @@ class CanonicalModel:
         self.defs: list[tuple[cp_model.IntVar, Callable[[Callable], int]]] = []
         self.data = model_data(problem)
         self.model = cp_model.CpModel()
+        # CP-SAT deterministic seconds used and nominal seconds charged by the calls on
+        # this model so far (clock.py: the next call's deterministic limit uses the ratio).
+        self.cpsat_det_s, self.cpsat_charged_s = 0.0, 0.0
         costs = [problem.nodes[v].compute_s for v in self.data.decision]
         costs += [problem.nodes[v].save_s for v in self.data.decision]
         bw = problem.offload_bandwidth_bytes_per_s
@@ -207,6 +210,7 @@ class CanonicalModel:
         if self.cumulative:
             return
         self.cumulative = True
+        self.cpsat_det_s, self.cpsat_charged_s = 0.0, 0.0  # another model: earlier calls say nothing of its cost
         m, d = self.model, self.data
         base = min(d.static)
         capacity = self.problem.budget_bytes - base

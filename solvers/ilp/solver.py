@@ -41,8 +41,9 @@ dp applies and proves its plan OPTIMAL (dp is exact over this same plan space), 
 plan is returned as OPTIMAL at once: dp's proof is the certificate (dp exploits the
 repeated identical blocks of a stack: one table per distinct layer). A `hint` plan
 joins the warm start. Deterministic by default (workers=1, seed): every limit is
-deterministic work (`base.WorkClock`, CP-SAT's `max_deterministic_time`), never the
-wall clock, so the same problem gives the same plan under any machine load.
+deterministic work (`base.WorkClock`; model building, hints and CP-SAT calls charged by
+counts, clock.py), never the wall clock, so the same problem gives the same plan under
+any machine load.
 Cost rounding: costs are scaled by a power of two to integers (dyadic costs stay exact;
 others round by at most 2**-24 of the largest cost per value), so OPTIMAL holds up to
 that rounding.
@@ -59,7 +60,8 @@ from collections.abc import Mapping
 from ortools.sat.python import cp_model
 
 from solvers import greedy
-from solvers.base import CPSAT_DET_PER_S, Options, WorkClock, finish, hint_decisions
+from solvers.base import Options, WorkClock, finish, hint_decisions
+from solvers.ilp import clock as cost
 from solvers.ilp.model import CanonicalModel
 from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, make_options
@@ -87,10 +89,11 @@ class ILPOptions(Options):
     """Options of `ilp`."""
 
     time_limit_s: float | None = 10.0
-    """Limit for the whole solve (warm start, CP-SAT calls, simulations; not model
-    building) in nominal seconds of deterministic work (`base.WorkClock`; CP-SAT's
-    `max_deterministic_time`), so that a solve cut by its limit returns the same plan
-    under any machine load."""
+    """Limit for the whole solve (warm start, model building, hints, CP-SAT calls,
+    simulations) in nominal seconds of deterministic work (`base.WorkClock`; CP-SAT's
+    calls by what they report, clock.py), so that a solve cut by its limit returns the
+    same plan under any machine load. A model or a call the time left cannot pay for is
+    not built or made: the best plan so far is returned."""
     warm_start: tuple[str, ...] = ("dp", "chen-greedy", "greedy")
     """Solvers whose best fitting plan seeds the search, in this order while the warm
     share of the time lasts (unknown or unsupported ones are skipped)."""
@@ -127,8 +130,11 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
                       lower_bound_s=incumbent[0], work_s=clock.spent_s)
     # Nothing fits yet: keep time back for the smallest-peak search.
     reserve_s = opts.least_peak_share * max(0.0, clock.left_s) if incumbent is None else 0.0
-    rows_until = clock.spent_s + opts.rows_share * max(0.0, clock.left_s - reserve_s)
+    if clock.left_s - reserve_s < cost.build_cost_s(problem):  # the limit cannot pay for the model
+        return _answer(problem, opts, clock, started, incumbent, smallest)
+    clock.charge_s(cost.build_cost_s(problem))
     model = CanonicalModel(problem, cumulative=False)
+    rows_until = clock.spent_s + opts.rows_share * max(0.0, clock.left_s - reserve_s)
     bound_s, exact, incumbent = _generate_rows(model, opts, clock, rows_until, incumbent)
     if exact is not None:  # the relaxation's optimum fits: it is optimal
         if incumbent is not None and incumbent[0] < bound_s:  # equal up to cost rounding: keep the warm start
@@ -137,20 +143,22 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
                       work_s=clock.spent_s)
     model.add_cumulative()  # the full model, keeping the rows generated above
     if incumbent is not None:  # hints stay in the model; no-goods add no variables
-        model.hint(incumbent[1])
+        cost.hint(model, incumbent[1], clock)
         reserve_s = 0.0  # a repaired relaxation fits: no smallest-peak search to keep time for
     proven, cuts = False, 0
     while cuts <= opts.max_cuts:
         remaining = clock.left_s - reserve_s
-        if remaining <= 0:
+        if not cost.affords_call(model, clock, remaining):
             break
-        solver = _solver(opts, remaining, len(problem.decision_ids))
-        status = _run(solver, model, clock)
+        solver = _solver(opts, remaining * cost.det_per_s(model), len(problem.decision_ids))
+        status = cost.run(solver, model, clock)
         if status == cp_model.INFEASIBLE:
             # Every fitting plan satisfies the relaxation and no cut: none fits.
             if incumbent is not None:
                 log.warning("ilp: the model is infeasible but plan of cost %.6g fits", incumbent[0])
             break
+        if status == cp_model.UNKNOWN:  # its limit came first: again while time is left (clock.det_per_s)
+            continue
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         bound_s = max(bound_s, _lower_bound(solver, model))
@@ -163,14 +171,20 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
             break
         model.forbid(decisions)
         cuts += 1
+    return _answer(problem, opts, clock, started, incumbent, smallest, bound_s, proven)
+
+
+def _answer(problem: Problem, opts: ILPOptions, clock: WorkClock, started: float, incumbent, smallest,
+            bound_s: float = 0.0, proven: bool = False) -> Plan:
+    """The incumbent (cost, decisions) as the plan, or the smallest peak when none fits."""
     if incumbent is None:
         least = _least_peak(problem, opts, clock, smallest)
         return finish(problem, least, "ilp", started_s=started, work_s=clock.spent_s)
-    cost, decisions = incumbent
+    cost_s, decisions = incumbent
     if proven:
-        bound_s = cost
+        bound_s = cost_s
     return finish(problem, decisions, "ilp", started_s=started, optimal=proven,
-                  lower_bound_s=min(bound_s, cost), work_s=clock.spent_s)
+                  lower_bound_s=min(bound_s, cost_s), work_s=clock.spent_s)
 
 
 def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, until_s: float, incumbent):
@@ -188,11 +202,11 @@ def _generate_rows(rows: CanonicalModel, opts: ILPOptions, clock: WorkClock, unt
     Returns (bound_s, that plan or None, incumbent)."""
     bound_s = 0.0
     problem, d = rows.problem, rows.data
-    while (remaining := until_s - clock.spent_s) > 0:
+    while cost.affords_call(rows, clock, remaining := until_s - clock.spent_s):
         if incumbent is not None:
-            rows.hint(incumbent[1])
-        solver = _solver(opts, remaining, len(problem.decision_ids), search=False)
-        status = _run(solver, rows, clock)
+            cost.hint(rows, incumbent[1], clock)
+        solver = _solver(opts, remaining * cost.det_per_s(rows), len(problem.decision_ids), search=False)
+        status = cost.run(solver, rows, clock)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         bound_s = max(bound_s, _lower_bound(solver, rows))
@@ -228,14 +242,17 @@ def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: 
     simulated peak so far, simulate the answer, keep it if smaller, forbid it; an
     infeasible model proves the best one smallest."""
     best, best_ev = smallest, _simulate(problem, smallest, clock)
+    if clock.left_s < max(MIN_PEAK_SEARCH_S, cost.build_cost_s(problem)):
+        return best  # the limit cannot pay for the model
+    clock.charge_s(cost.build_cost_s(problem))
     model = CanonicalModel(problem, min_peak=True)
-    model.hint(smallest)
+    cost.hint(model, smallest, clock)
     for _ in range(opts.max_cuts + 1):
-        if clock.left_s < MIN_PEAK_SEARCH_S:
+        if clock.left_s < MIN_PEAK_SEARCH_S or not cost.affords_call(model, clock, clock.left_s):
             break
         model.model.add(model.peak <= best_ev.peak_bytes - 1)
-        solver = _solver(opts, clock.left_s, len(problem.decision_ids))
-        if _run(solver, model, clock) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = _solver(opts, clock.left_s * cost.det_per_s(model), len(problem.decision_ids))
+        if cost.run(solver, model, clock) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break  # INFEASIBLE: no plan peaks lower (or time is up)
         found = model.decisions_of(solver)
         ev = _simulate(problem, found, clock)
@@ -245,15 +262,9 @@ def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: 
     return best
 
 
-def _run(solver: cp_model.CpSolver, model: CanonicalModel, clock: WorkClock) -> int:
-    """Solve and charge CP-SAT's deterministic time to the clock."""
-    status = solver.solve(model.model)
-    clock.charge_cpsat(solver.response_proto.deterministic_time)
-    return status
-
-
-def _solver(opts: ILPOptions, seconds: float, n_values: int = 0, *, search: bool = True) -> cp_model.CpSolver:
-    """search=False: the row-generation model, which needs a proof, not plans."""
+def _solver(opts: ILPOptions, det_s: float, n_values: int = 0, *, search: bool = True) -> cp_model.CpSolver:
+    """A CP-SAT solver limited to `det_s` deterministic seconds. search=False: the
+    row-generation model, which needs a proof, not plans."""
     solver = cp_model.CpSolver()
     if n_values > LARGE_MODEL_VALUES:
         # Measured at 2,500 values (random_dag, 10k nodes): presolve probing takes ~15 s,
@@ -261,7 +272,7 @@ def _solver(opts: ILPOptions, seconds: float, n_values: int = 0, *, search: bool
         solver.parameters.cp_model_probing_level = 0
     # Deterministic time only, never the wall clock: equal inputs give equal plans
     # whatever the machine's load (one worker; several are not repeatable).
-    solver.parameters.max_deterministic_time = max(0.002, seconds * CPSAT_DET_PER_S)
+    solver.parameters.max_deterministic_time = max(0.002, det_s)
     solver.parameters.num_workers = max(1, opts.workers)
     # Level 2 puts every constraint in the LP (the AND / max definitions of need, rec
     # and liveness included). One worker interleaves CP-SAT's LNS neighbourhoods with
