@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from remat.runtime.inductor.fusion import FusionEstimate, fusion_passes
+from remat.runtime.inductor.wrapper_walk import generated_bytes, graph_workspace, output_storages
 
 
 class _Generated(Exception):
@@ -138,71 +139,6 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
     return peak
 
 
-def graph_workspace(gm: fx.GraphModule) -> dict[str, int]:
-    """Each op's measured workspace in `gm` (`remat.frontend.workspace`, cached per op
-    signature: the planner measured the same ops), by node name; none on meta tensors."""
-    from remat.frontend import workspace
-
-    device = workspace.joint_device(gm)
-    if device is None or device.type == "meta":
-        return {}
-    return workspace.measure([n for n in gm.graph.nodes if n.op == "call_function"], device)
-
-
-def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
-    """What an extern kernel's call holds beyond what its line allocates, until it
-    returns: its workspace (`workspace`, FX name -> bytes: its origin node's, else the
-    largest of its origins') and, for a kernel returning several tensors, all of them
-    (their `MultiOutputLine`s follow the call, interleaved with frees of its inputs,
-    which come later in fact: on LLaMA tiny's attention backward the walk without them
-    read 155,528 B under the profiler). 0 for any other line."""
-    from torch._inductor.codegen import wrapper as w
-    from torch.utils._pytree import tree_leaves
-
-    if not isinstance(line, (w.ExternKernelAllocLine, w.ExternKernelOutLine)):
-        return 0
-    node = line.node
-    origin = getattr(node, "origin_node", None)
-    origins = [origin] if origin is not None else list(getattr(node, "origins", None) or ())
-    scratch = max((workspace.get(o.name, 0) for o in origins), default=0)
-    outputs = [o for o in tree_leaves(getattr(node, "outputs", None) or []) if hasattr(o, "get_name")]
-    return scratch + sum(_multi_output_bytes(o.get_name()) for o in outputs if o is not node)
-
-
-def _multi_output_bytes(name: str) -> int:
-    """Bytes of one output of a kernel returning several (none where it aliases an input)."""
-    from torch._inductor.virtualized import V
-
-    buffer = V.graph.try_get_buffer(name)
-    return _buffer_bytes(buffer) if buffer is not None and not buffer.get_inputs_that_alias_output() else 0
-
-
-def _buffer_bytes(node: Any) -> int:
-    """Bytes a buffer owns: none for a view of another (`NonOwningLayout`), a write into
-    another (`MutationLayoutSHOULDREMOVE`), or a kernel's tuple of outputs (each output
-    is a buffer of its own)."""
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
-
-    layout = node.get_output_spec()
-    if not isinstance(layout, ir.Layout) or isinstance(layout, (ir.NonOwningLayout, ir.MutationLayoutSHOULDREMOVE)):
-        return 0
-    size = V.graph.sizevars.optimization_hint(layout.storage_size(), fallback=4096)
-    return int(size) * node.get_dtype().itemsize
-
-
-def _allocated_bytes(line: Any) -> int:
-    """What one wrapper line allocates: a planned allocation, or a buffer an extern
-    kernel returns (a fallback op's result, one of its tuple's outputs)."""
-    from torch._inductor.codegen import wrapper as w
-
-    if isinstance(line, (w.AllocateLine, w.ExternKernelAllocLine)):
-        return _buffer_bytes(line.node)
-    if isinstance(line, w.MultiOutputLine):
-        return _multi_output_bytes(line.result_name)
-    return 0
-
-
 def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, int]:
     """The inputs both accountings count, each with its storage: two saved values may
     share one (a tensor and a view of it), which holds its bytes once."""
@@ -210,71 +146,6 @@ def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, i
 
     return {n.name: storage_key(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")
             if n.name not in uncounted and isinstance(n.meta.get("val"), torch.Tensor)}
-
-
-def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None,
-                    workspace: dict[str, int] | None = None) -> int:
-    """Peak of the graph inductor is generating (`V.graph`), from its wrapper's planned
-    lines: an allocation (or a buffer an extern kernel returns) adds its bytes, a free
-    not turned into a reuse removes them, a reuse hands a buffer on (no change). Inputs
-    (`counted`: name -> storage, see `counted_inputs`) count once per storage from the
-    start, until the free of the last one sharing it or a reuse that hands it on; `sizes`
-    (name -> bytes) gives an input's storage bytes where the graph's own input layout
-    does not (a saved value the forward's code returns in a buffer of its own).
-    `workspace` (FX name -> bytes): an extern kernel's scratch, live while it runs
-    (`_in_call_bytes`)."""
-    from torch._inductor.codegen import wrapper as w
-    from torch._inductor.virtualized import V
-
-    graph = V.graph
-    sizes = sizes or {}
-    sharing: dict[Any, set[str]] = {}
-    storage_bytes: dict[Any, int] = {}
-    for name, buf in graph.graph_inputs.items():
-        if name in counted and hasattr(buf, "get_output_spec"):  # tensors, not SymInts
-            sharing.setdefault(counted[name], set()).add(name)
-            nbytes = sizes.get(name, _buffer_bytes(buf))
-            storage_bytes[counted[name]] = max(storage_bytes.get(counted[name], 0), nbytes)
-    live = peak = sum(storage_bytes.values())
-    for line in graph.wrapper_code.lines:
-        if isinstance(line, w.FreeIfNotReusedLine):
-            live -= 0 if line.is_reused else _buffer_bytes(line.node)
-        elif isinstance(line, (w.FreeLine, w.ReuseLine)) and line.node.get_name() in counted:
-            key = counted[line.node.get_name()]
-            names = sharing.get(key, set())
-            if isinstance(line, w.ReuseLine):  # the output owns the storage now, and frees it
-                names.clear()
-                storage_bytes.pop(key, None)
-            elif line.node.get_name() in names:
-                names.discard(line.node.get_name())
-                live -= 0 if names else storage_bytes.pop(key, 0)
-        else:
-            live += _allocated_bytes(line)
-            peak = max(peak, live + _in_call_bytes(line, workspace or {}))
-    return peak
-
-
-def output_storages() -> list[tuple[str, int, bool] | None]:
-    """Each output of the graph inductor is generating (`V.graph.graph_outputs`, in the
-    FX output's order): the buffer or input whose storage it is, that storage's bytes,
-    and whether it is one of the graph's inputs; None where it is no tensor. Inductor may
-    return a view the FX graph makes (a saved `expand`, whose storage is its base's) in
-    a buffer of its own, dense, when it realized the view for a kernel anyway (LLaMA's
-    `repeat_kv` before attention), and a saved input in a copy of its own (a convolution's
-    weight and input, converted to channels-last for its kernel)."""
-    from torch._inductor.virtualized import V
-
-    out: list[tuple[str, int] | None] = []
-    for r in V.graph.graph_outputs:
-        try:
-            name = r.get_name()
-        except (AttributeError, NotImplementedError):
-            out.append(None)
-            continue
-        buf = V.graph.try_get_buffer(name)
-        out.append((name, _buffer_bytes(buf), name in V.graph.graph_inputs)
-                   if buf is not None and hasattr(buf, "get_output_spec") else None)
-    return out
 
 
 def _tensor_inputs(gm: fx.GraphModule) -> set[str]:
