@@ -121,17 +121,17 @@ def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None
     return peak
 
 
-def output_storages() -> list[tuple[str, int, bool] | None]:
+def output_storages() -> list[tuple[str, int, bool, tuple[int, ...] | None] | None]:
     """Each output of the graph inductor is generating (`V.graph.graph_outputs`, in the
     FX output's order): the buffer or input whose storage it is, that storage's bytes,
-    and whether it is one of the graph's inputs; None where it is no tensor. Inductor may
+    whether it is one of the graph's inputs, and its strides; None where it is no tensor. Inductor may
     return a view the FX graph makes (a saved `expand`, whose storage is its base's) in
     a buffer of its own, dense, when it realized the view for a kernel anyway (LLaMA's
     `repeat_kv` before attention), and a saved input in a copy of its own (a convolution's
     weight and input, converted to channels-last for its kernel)."""
     from torch._inductor.virtualized import V
 
-    out: list[tuple[str, int, bool] | None] = []
+    out: list[tuple[str, int, bool, tuple[int, ...] | None] | None] = []
     for r in V.graph.graph_outputs:
         try:
             name = r.get_name()
@@ -139,9 +139,19 @@ def output_storages() -> list[tuple[str, int, bool] | None]:
             out.append(None)
             continue
         buf = V.graph.try_get_buffer(name)
-        out.append((name, _buffer_bytes(buf), name in V.graph.graph_inputs)
+        out.append((name, _buffer_bytes(buf), name in V.graph.graph_inputs, _stride(r))
                    if buf is not None and hasattr(buf, "get_output_spec") else None)
     return out
+
+
+def _stride(node: Any) -> tuple[int, ...] | None:
+    """The strides inductor gives an output (by hint), or None where it has none."""
+    from torch._inductor.virtualized import V
+
+    try:
+        return tuple(int(V.graph.sizevars.optimization_hint(s, fallback=4096)) for s in node.get_stride())
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
 
 
 __all__ = ["generated_bytes", "graph_workspace", "output_storages"]
