@@ -32,19 +32,13 @@ def _prepare(budget):
 
 
 @contextlib.contextmanager
-def _threads(n):
+def _threads(n):  # the second test's; the first takes conftest's `one_thread`
     threads = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def one_thread():
-    with _threads(1):
-        yield
 
 
 def test_the_refusal_names_a_peak_no_higher_than_the_full_budget_plan_and_it_plans(one_thread):
