@@ -110,7 +110,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
 
 
 def _at_no_remat_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
-                        graph_bytes: Any) -> tuple[int, int]:
+                      graph_bytes: Any) -> tuple[int, int]:
     """(peak, margin) under inductor of the plan at the graph's no-remat peak."""
     partitioner.budget = partitioner.step.baseline_peak_bytes
     fw, bw = partitioner(joint, joint_inputs, **kwargs)
