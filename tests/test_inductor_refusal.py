@@ -3,7 +3,8 @@ graph's no-remat peak (100%): under inductor remat's floor op by op may peak hig
 a lighter plan (its recomputes keep more alive in fused kernels). ResNet tiny at 60%: the
 floor plan peaked at 1,327,736 B under inductor (1,031,736 B op by op, +296,000 B from
 the kernels) and the refusal named it, while the plan at 100% peaks at 1,267,576 B
-(measured 1,260,408 B); the refusal now names 1,267,576 B. One intra-op thread, as the
+(measured 1,260,408 B); the refusal now names at most that (1,126,456 B, with the
+backward estimated on the forward's strides). One intra-op thread, as the
 benches plan and measure; the second test takes two."""
 
 import contextlib
