@@ -119,6 +119,16 @@ def build_cost_s(problem) -> float:
     return len(problem.decision_ids) / VALUES_PER_S
 
 
+def charge_build(problem, clock: WorkClock, left_s: float, at_least_s: float = 0.0) -> bool:
+    """Charge building a CanonicalModel of `problem` when `left_s` (what the phase has
+    left) pays for it and is at least `at_least_s`; False, charging nothing, otherwise."""
+    build_s = build_cost_s(problem)
+    if left_s < max(at_least_s, build_s):
+        return False
+    clock.charge_s(build_s)
+    return True
+
+
 def hint(model, decisions, clock: WorkClock) -> None:
     """A complete hint, charged per implied variable."""
     model.hint(decisions)

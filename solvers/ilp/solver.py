@@ -130,9 +130,8 @@ def solve_ilp(problem: Problem, options: Options) -> Plan:
                       lower_bound_s=incumbent[0], work_s=clock.spent_s)
     # Nothing fits yet: keep time back for the smallest-peak search.
     reserve_s = opts.least_peak_share * max(0.0, clock.left_s) if incumbent is None else 0.0
-    if clock.left_s - reserve_s < cost.build_cost_s(problem):  # the limit cannot pay for the model
+    if not cost.charge_build(problem, clock, clock.left_s - reserve_s):  # the limit cannot pay for the model
         return _answer(problem, opts, clock, started, incumbent, smallest)
-    clock.charge_s(cost.build_cost_s(problem))
     model = CanonicalModel(problem, cumulative=False)
     rows_until = clock.spent_s + opts.rows_share * max(0.0, clock.left_s - reserve_s)
     bound_s, exact, incumbent = _generate_rows(model, opts, clock, rows_until, incumbent)
@@ -242,9 +241,8 @@ def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: 
     simulated peak so far, simulate the answer, keep it if smaller, forbid it; an
     infeasible model proves the best one smallest."""
     best, best_ev = smallest, _simulate(problem, smallest, clock)
-    if clock.left_s < max(MIN_PEAK_SEARCH_S, cost.build_cost_s(problem)):
+    if not cost.charge_build(problem, clock, clock.left_s, at_least_s=MIN_PEAK_SEARCH_S):
         return best  # the limit cannot pay for the model
-    clock.charge_s(cost.build_cost_s(problem))
     model = CanonicalModel(problem, min_peak=True)
     cost.hint(model, smallest, clock)
     for _ in range(opts.max_cuts + 1):
