@@ -27,6 +27,7 @@ from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
 from solvers.base import finish
 from solvers.prefetch import prefetch
+from solvers.shared_storage import one_save_per_storage
 
 log = logging.getLogger(__name__)
 STAGE = "remat_stage"
@@ -181,6 +182,9 @@ class Partitioner:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
             plan = prefer_fused_recompute(joint, gp, plan, speed, random_s_per_element=self.random_s_per_element)
+        # two saved tensors over one storage would let inductor's backward overwrite one
+        # while the other is still to be read (solvers.shared_storage)
+        plan = one_save_per_storage(gp.problem, plan)
         if plan.status is not Status.INFEASIBLE and not self.compiled_offload:  # reloads early
             plan = prefetch(gp.problem, plan)
         if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):

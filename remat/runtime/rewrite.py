@@ -26,6 +26,7 @@ from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
 from remat.runtime.schedule import rebuild_backward, recomputes_twice
 from solvers import Decision, Evaluation, Plan, StepKind
+from solvers.shared_storage import shared_saves
 
 
 def partition(
@@ -39,6 +40,7 @@ def partition(
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules of `plan` (whose simulation is `evaluation`).
     custom_offload_ops: offload through torch.library ops (graphs inductor compiles)."""
+    _check_storages_saved_once(graph_problem, plan)
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
@@ -74,6 +76,18 @@ def partition(
     fw.recompile()
     bw.recompile()
     return fw, bw
+
+
+def _check_storages_saved_once(graph_problem: GraphProblem, plan: Plan) -> None:
+    """No two saved values share a forward storage: AOTAutograd would donate both to
+    inductor's backward, which may overwrite one while the other is still to be read
+    (`solvers.shared_storage`; the planner makes every plan so)."""
+    shared = shared_saves(graph_problem.problem, plan)
+    if shared:
+        names = [[graph_problem.value_name[i] for i in ids] for ids in shared.values()][:3]
+        raise UnsupportedGraphError(
+            f"internal: the plan saves several values over one storage ({names}); the backward "
+            "could read a buffer already reused; please report this model")
 
 
 def _saved_sym_nodes(joint: fx.GraphModule) -> list[fx.Node]:

@@ -1,0 +1,96 @@
+"""One saved value per storage: a plan never hands the backward two saved tensors that
+share one forward storage (a value and a view of it, or two views of one value).
+
+The runtime needs it. AOTAutograd marks a saved tensor as a donated buffer when its
+storage is not one of the forward's inputs or outputs or the backward's outputs, one
+saved tensor at a time, and inductor's backward then reuses a donated buffer in place
+once that tensor's last reader has run. With a value and its view both saved, the
+value's buffer is overwritten after the value's last reader while the view, the same
+bytes, is still to be read: the backward reads garbage and the gradient is silently
+wrong (a LayerNorm output and its reshape for the next Linear: the Linear's weight
+gradient).
+
+`one_save_per_storage` saves the storage's own value instead and recomputes the views
+from it in the backward. The peak does not move: the saved views held that storage
+alive anyway, views allocate nothing, and a view costs no compute. The eager runtime
+does not donate, but the rewrite is the same for both, and a view recomputed from the
+same bytes is the same tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from solvers.base import finish
+from solvers.problem import Decision, Phase, Plan, Problem, Status, StepKind
+from solvers.simulate import evaluate
+
+
+def shared_saves(problem: Problem, plan: Plan) -> dict[int, list[int]]:
+    """Per forward storage (the id of the value that owns it): the saved values the
+    backward reads in it, where there are two or more. Empty for a plan the runtime can
+    run as it is; an INFEASIBLE plan is not looked at."""
+    if plan.status is Status.INFEASIBLE:
+        return {}
+    read = _read_in_backward(problem, plan)
+    groups: dict[int, list[int]] = {}
+    for i, d in plan.decisions.items():
+        root = problem.storage_of[i]
+        if d is Decision.SAVE and i in read and problem.nodes[root].phase is Phase.FORWARD:
+            groups.setdefault(root, []).append(i)
+    return {root: sorted(ids) for root, ids in groups.items() if len(ids) > 1}
+
+
+def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
+    """`plan` with every storage that two saved values share saved once, as the value that
+    owns it, and every saved view in it recomputed (just before its first reader in an
+    explicit schedule). Returns `plan` itself when no storage is shared, or when a view in
+    one reads another forward value (recomputing it would hold that value too; ATen's
+    views read only their base): the rewrite then refuses the plan (`shared_saves`)."""
+    groups = shared_saves(problem, plan)
+    views = sorted(i for i, d in plan.decisions.items()
+                   if d is Decision.SAVE and problem.storage_of[i] in groups and i not in groups)
+    if not views or not all(_from_its_base(problem, i) for i in views):
+        return plan
+    decisions = dict(plan.decisions)
+    for root in groups:
+        decisions[root] = Decision.SAVE
+    for i in views:
+        decisions[i] = Decision.RECOMPUTE
+    schedule = None if plan.schedule is None else _with_recomputes(problem, plan.schedule, views)
+    # judged against the plan's own peak: a plan may be run above the problem's budget
+    # (the ledger's first step runs the lowest peak found), and this one peaks no higher
+    out = finish(problem.with_budget(plan.peak_bytes), decisions, plan.solver, started_s=0.0,
+                 schedule=schedule, work_s=plan.work_s, lower_bound_s=plan.lower_bound_s)
+    # still optimal when it costs no more (a saved root may carry a save cost the views did not)
+    optimal = plan.status is Status.OPTIMAL and out.status is Status.FEASIBLE and out.objective_s <= plan.objective_s
+    return dataclasses.replace(out, solve_s=plan.solve_s, status=Status.OPTIMAL if optimal else out.status)
+
+
+def _from_its_base(problem: Problem, i: int) -> bool:
+    """Whether view i recomputes from its base alone (its other inputs live all step)."""
+    node = problem.nodes[i]
+    return node.recomputable and all(
+        j == node.alias_of or problem.nodes[j].phase in (Phase.PARAM, Phase.INPUT) for j in node.inputs)
+
+
+def _read_in_backward(problem: Problem, plan: Plan) -> set[int]:
+    """Ids read by some backward or recompute step of `plan`'s schedule."""
+    nodes = problem.nodes
+    steps = evaluate(problem, plan.decisions, plan.schedule).steps
+    return {j for step in steps if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
+            for j in nodes[step.node_id].inputs}
+
+
+def _with_recomputes(problem: Problem, schedule: Sequence[int], views: Sequence[int]) -> list[int]:
+    """`schedule` with each of `views` that a step reads recomputed just before the first
+    such step (the later views first, so that a view of a view comes after the view it
+    reads)."""
+    out = list(schedule)
+    for i in sorted(views, reverse=True):
+        first = next((k for k, j in enumerate(out) if i in problem.nodes[j].inputs), None)
+        if first is not None:
+            out.insert(first, i)
+    return out
+
