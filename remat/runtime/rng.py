@@ -79,12 +79,14 @@ def dropout_mask_replay(state: torch.Tensor, x: torch.Tensor, p: float, train: b
         return _NATIVE_DROPOUT(x, p, train)[1]
 
 
-def random_op(state: torch.Tensor, device: str, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Forward: a random op, drawing from the generator as eager does."""
+def random_op(state: torch.Tensor, device: str, op: Any, /, *args: Any, **kwargs: Any) -> Any:
+    """Forward: a random op, drawing from the generator as eager does. The first three
+    parameters are positional-only: the op's own keywords (`device=`, `dtype=`) pass
+    through `kwargs`."""
     return op(*args, **kwargs)
 
 
-def random_op_replay(state: torch.Tensor, device: str, op: Any, *args: Any, **kwargs: Any) -> Any:
+def random_op_replay(state: torch.Tensor, device: str, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Backward: the same op at the saved state."""
     with at_state(state, torch.device(device)):
         return op(*args, **kwargs)
