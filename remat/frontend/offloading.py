@@ -87,15 +87,16 @@ def link_bandwidth_bytes_per_s(device: torch.device) -> float:
 def with_offload(gp: GraphProblem, bandwidth_bytes_per_s: float | None) -> GraphProblem:
     """`gp` with offload allowed at this bandwidth, on the values that can move: not a
     view (it shares its base's storage), not a step output (it stays on the device
-    anyway), not empty."""
+    anyway), not empty, and not pinned where the kernel makes it (`Node.offloadable`
+    False from the front end: a value the trace knows only as a meta tensor)."""
     if bandwidth_bytes_per_s is None:
         return gp
     p = gp.problem
     outputs = set(p.outputs)
     nodes = tuple(
         dataclasses.replace(
-            n, offloadable=(n.phase is Phase.FORWARD and n.alias_of is None and i not in outputs
-                            and n.out_bytes > 0))
+            n, offloadable=(n.offloadable and n.phase is Phase.FORWARD and n.alias_of is None
+                            and i not in outputs and n.out_bytes > 0))
         for i, n in enumerate(p.nodes)
     )
     problem = dataclasses.replace(p, nodes=nodes, offload_bandwidth_bytes_per_s=bandwidth_bytes_per_s)

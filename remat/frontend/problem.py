@@ -31,7 +31,8 @@ from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
 from remat.frontend.accumulate import in_place_operand
-from remat.frontend.profile import never_replay_reason, source_line, storage_bytes, storage_key, tensor_val
+from remat.frontend.profile import (joint_device_type, made_at_run, never_replay_reason, source_line, storage_bytes,
+                                    storage_key, tensor_val)
 from solvers import Node, Phase, Problem
 
 FORWARD_END = "remat_forward_end"
@@ -129,7 +130,24 @@ def build_problem(
                                    "the forward's end, which holds the outputs returned to the caller", "")
     released = _released_tangents(joint) if drop_outputs else frozenset()
     gp = _assemble(joint, items, num_fwd_outputs, budget_bytes, dropped=frozenset(dropped), released=released)
-    return dataclasses.replace(gp, in_place_sums=in_place)
+    return dataclasses.replace(gp, problem=_pinned_where_made(gp, joint), in_place_sums=in_place)
+
+
+def _pinned_where_made(gp: GraphProblem, joint: fx.GraphModule) -> Problem:
+    """`gp.problem` with the values whose device the trace does not know marked not
+    offloadable: a value traced as a meta tensor in a graph on a real device, as SDPA's
+    Philox seed and offset are (their device is decided when the kernel runs: host
+    tensors, or device tensors under CUDA graph capture; `_meta_registrations.py`, "Note
+    [Seed and Offset]"). A reload could only put them back on the traced device, meta,
+    whose storage has no memory (an offloaded seed crashed the backward)."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    pinned = {i for i, name in enumerate(gp.value_name)
+              if name in by_name and made_at_run(tensor_val(by_name[name]), joint_device_type(joint))}
+    if not pinned:
+        return gp.problem
+    nodes = tuple(dataclasses.replace(n, offloadable=False) if i in pinned else n
+                  for i, n in enumerate(gp.problem.nodes))
+    return dataclasses.replace(gp.problem, nodes=nodes)
 
 
 def _dropped_outputs(joint: fx.GraphModule, items: Mapping[str, _Item], num_fwd_outputs: int) -> tuple[str, ...]:

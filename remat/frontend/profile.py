@@ -31,6 +31,21 @@ def storage_bytes(t: torch.Tensor) -> int:
     return int(nbytes)
 
 
+def joint_device_type(joint: fx.GraphModule) -> str | None:
+    """The device type of the joint graph's first tensor that is not on meta, or None."""
+    for node in joint.graph.nodes:
+        val = tensor_val(node)
+        if val is not None and val.device.type != "meta":
+            return val.device.type
+    return None
+
+
+def made_at_run(val: torch.Tensor | None, device_type: str | None) -> bool:
+    """Whether `val` is a meta tensor in a graph that runs on a real device: its device
+    is the kernel's choice at run time (`frontend.problem._pinned_where_made`)."""
+    return val is not None and val.device.type == "meta" and device_type not in (None, "meta")
+
+
 def source_line(node: fx.Node) -> str:
     """Where the node comes from in user code: the innermost user frame of its stack
     trace as 'file:line' when torch recorded one, else the innermost module that ran it

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from remat.frontend.profile import made_at_run, tensor_val
 from solvers import Problem
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     for node in nodes:
         key = op_key(node)
-        if key is None:
+        if key is None or _reads_made_at_run(node, device):
             continue
         key = (*key, threads)
         keyed.append((node.name, key))
@@ -128,6 +129,14 @@ def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
         if _CACHE.get(key):
             out[name] = _CACHE[key]
     return out
+
+
+def _reads_made_at_run(node: fx.Node, device: torch.device) -> bool:
+    """Whether an argument of `node` is traced as a meta tensor on a real device (SDPA's
+    Philox seed and offset, `frontend.problem.made_at_run`): a fresh stand-in would be a
+    meta tensor, and no kernel of `device` may read one (its storage has no memory), so
+    the op is not run; its workspace is taken as none."""
+    return any(made_at_run(tensor_val(a), device.type) for a in node.all_input_nodes)
 
 
 def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple, int]:

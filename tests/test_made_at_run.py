@@ -1,0 +1,113 @@
+"""Values whose device the trace does not know (`frontend.profile.made_at_run`).
+
+SDPA's fused CUDA kernels return their Philox seed and offset as tensors whose device
+is chosen when the kernel runs, so the trace holds them as meta tensors in a graph on a
+real device. A stand-in op with the same shape runs here on CPU: it returns a host seed,
+its fake kernel a meta one, and its backward reads the seed. Offloading that seed made
+the backward reload it onto "meta" and write through its null storage (a segmentation
+fault, as on the GPU); measuring the backward's workspace would hand a kernel a meta
+stand-in. Neither happens: the seed is never offloaded, and ops reading it are not run
+for their workspace."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat.frontend import workspace
+from solvers import Decision
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@torch.library.custom_op("remat_test::seeded_double", mutates_args=())
+def seeded_double(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, torch.tensor(5, dtype=torch.long)
+
+
+@seeded_double.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty((), dtype=torch.long, device="meta")
+
+
+@torch.library.custom_op("remat_test::seeded_double_backward", mutates_args=())
+def seeded_double_backward(grad: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    if seed.device.type != "cpu" or int(seed) != 5:
+        raise RuntimeError(f"the seed came back wrong: {seed}")
+    return grad * 2
+
+
+@seeded_double_backward.register_fake
+def _(grad, seed):
+    return torch.empty_like(grad)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _backward(ctx, grad, _grad_seed):
+    (seed,) = ctx.saved_tensors
+    return seeded_double_backward(grad, seed)
+
+
+seeded_double.register_autograd(_backward, setup_context=_setup)
+
+
+class Seeded(torch.nn.Module):
+    def __init__(self, depth: int = 4, d: int = 64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            y, _seed = seeded_double(layer(x))
+            x = y.tanh()
+        return x.square().mean()
+
+
+def _planned_at_the_offload_floor(model, x):
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        remat.plan(model, (x,), budget=1, offload=True)
+    return remat.plan(model, (x,), budget=refused.value.min_peak_bytes, offload=True)
+
+
+def test_a_seed_made_at_run_is_never_offloaded_and_the_step_trains_as_eager():
+    torch.manual_seed(0)
+    model, x = Seeded(), torch.randn(64, 64)
+    eager = copy.deepcopy(model)
+    planned = _planned_at_the_offload_floor(model, x)
+    gp = planned.step.graph_problem
+    offloaded = {gp.value_name[i] for i, d in planned.plan.decisions.items() if d is Decision.OFFLOAD}
+    seeds = {n.name for n in planned.step.forward.graph.nodes
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "meta"}
+    assert len(seeds) == 4 and not offloaded & seeds
+    assert not any(gp.problem.nodes[gp.value_name.index(name)].offloadable for name in seeds)
+    loss = planned(x)
+    loss.backward()
+    expected = eager(x)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_an_op_reading_a_seed_made_at_run_is_not_run_for_its_workspace(monkeypatch):
+    ran = []
+    real = workspace._run
+
+    def spy(todo, device):
+        ran.extend(node for _, node in todo)
+        return real(todo, device)
+
+    monkeypatch.setattr(workspace, "_run", spy)
+    monkeypatch.setattr(workspace, "_CACHE", {})
+    torch.manual_seed(0)
+    model, x = Seeded(depth=1), torch.randn(64, 64)
+    remat.plan(model, (x,), budget="100%", measure_workspace=True)
+    targets = {node.target for node in ran}
+    assert torch.ops.aten.addmm.default in targets  # the rest was measured
+    assert torch.ops.remat_test.seeded_double_backward.default not in targets
