@@ -41,31 +41,48 @@ CACHE_FILE = "device_speed.v2.json"
 # --- FLOPs -----------------------------------------------------------------------------
 
 
-def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu`` (same convention as
-    torch's CUDA flash formula: causal masking is not discounted)."""
-    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+def sdpa_flop_count(query_shape, key_shape, value_shape) -> int:
+    """FLOPs of scaled dot-product attention's two matmuls, grouped-query attention
+    included (key and value with fewer heads, broadcast to the query's); causal masking
+    is not discounted, as in torch's formulas. remat's own, so that every supported torch
+    counts alike (torch 2.11's formula rejects grouped-query shapes)."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return 2 * b * h * s_q * s_k * (d_q + d_v)
 
 
-def _sdpa_cpu_backward_flop(
-    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
-) -> int:
-    """FLOPs of ``_scaled_dot_product_flash_attention_for_cpu_backward``."""
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+def sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) -> int:
+    """FLOPs of attention's backward: the scores again (q k^T), then the gradients of
+    v, of the scores, of q and of k (one matmul each), grouped-query attention included."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return 2 * b * h * s_q * s_k * (3 * d_q + 2 * d_v)
+
+
+def _sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                        **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
 
 def _extra_formulas() -> dict[Any, Any]:
-    """Formulas keyed by OpOverloadPacket for ops torch's registry lacks."""
+    """Formulas keyed by OpOverloadPacket: attention's fused kernels, forward and
+    backward, on every device (torch has no formula for the CPU kernel, and its CUDA
+    ones differ between versions)."""
     aten = torch.ops.aten
     extra: dict[Any, Any] = {}
-    pairs = (
-        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flop),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward_flop),
-    )
-    for name, formula in pairs:
-        packet = getattr(aten, name, None)
-        if packet is not None and packet not in flop_counter.flop_registry:
-            extra[packet] = formula
+    for kernel in _SDPA_KERNELS:
+        for name, formula in ((kernel, _sdpa_flop), (f"{kernel}_backward", _sdpa_backward_flop)):
+            packet = getattr(aten, name, None)
+            if packet is not None:
+                extra[packet] = formula
     return extra
 
 
