@@ -34,3 +34,28 @@ def _no_dp_table_cache(monkeypatch):
     what they check, and must not fill or read the user's ~/.cache/remat.
     tests/test_dp_table_cache.py turns it on under tmp_path."""
     monkeypatch.setenv("REMAT_DP_TABLE_CACHE", "0")
+
+
+TORCH_API_FILES = frozenset({
+    # inductor: the partitioner hook, scheduler passes, generated-code estimate, caches
+    "test_backend.py", "test_backend_gradients.py", "test_backend_inductor.py", "test_fusion_peak_guard.py",
+    "test_inductor_budget.py", "test_inductor_extern_calls.py", "test_inductor_margin.py",
+    "test_inductor_random.py", "test_inductor_refusal.py", "test_inductor_saved_views.py",
+    "test_offload_inductor.py", "test_outputs.py", "test_shared_storage.py",
+    # torch.distributed: DDP's optimizer, FSDP2's internals (remat.runtime.step.fsdp)
+    "test_distributed.py", "test_ddp_buckets.py",
+    # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes,
+    # the flop counter, the profiler's event tree
+    "test_random_signatures.py", "test_rng_replay.py", "test_made_at_run.py", "test_shapes.py",
+    "test_costs.py", "test_measure.py", "test_workspace.py",
+})
+"""Test files that touch an API of torch's that differs between supported versions
+(`remat.compat`): CI runs them (`-m torch_api`) on the oldest and the newest torch
+besides the whole suite on the pinned one."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in TORCH_API_FILES:
+            item.add_marker(pytest.mark.torch_api)
+

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -31,3 +32,10 @@ def assert_trains_like_eager(loss, loss_eager, model: nn.Module, eager: nn.Modul
         assert torch.equal(b.grad, a.grad), f"{at}gradient of {name} differs"
     for (name, a), b in zip(eager.named_buffers(), model.buffers(), strict=True):
         assert torch.equal(b, a), f"{at}buffer {name} differs"
+
+
+def needs_torch(major: int, minor: int, why: str):
+    """Skip on a torch older than `major.minor`, saying why (what that torch does)."""
+    from remat import compat
+
+    return pytest.mark.skipif(not compat.at_least(major, minor), reason=f"needs torch >= {major}.{minor}: {why}")

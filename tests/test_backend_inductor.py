@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch._inductor.metrics  # not imported by `import torch` on every supported torch
 from torch import nn
 from torch._dynamo.utils import counters
 

@@ -30,6 +30,8 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from remat import compat
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "REMAT_CACHE_DIR"
@@ -135,13 +137,11 @@ class FlopCounter(TorchDispatchMode):
 
 
 def _as_int(value: Any) -> int:
-    """An int from an int or a SymInt: its optimization hint (the example size dynamo
-    compiled with), which installs no guard. torch 2.13 replaced `hint_int` with
-    `optimization_hint`; `int(sym)` would specialize the graph to the example."""
+    """An int from an int or a SymInt: its hint (the example size dynamo compiled with),
+    which installs no guard (`remat.compat.optimization_hint`); `int(sym)` would
+    specialize the graph to the example."""
     if isinstance(value, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(value, fallback=4096))
+        return compat.optimization_hint(value, fallback=4096)
     return int(value)
 
 

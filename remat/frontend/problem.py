@@ -30,6 +30,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import classify_nodes
 
+from remat import compat
 from remat.frontend.accumulate import in_place_operand
 from remat.frontend.profile import (joint_device_type, made_at_run, never_replay_reason, source_line, storage_bytes,
                                     storage_key, tensor_val)
@@ -128,7 +129,7 @@ def build_problem(
     if dropped:
         items[FORWARD_END] = _Item((), Phase.FORWARD, dropped, 0, 0.0, None,
                                    "the forward's end, which holds the outputs returned to the caller", "")
-    released = _released_tangents(joint) if drop_outputs else frozenset()
+    released = _released_tangents(joint) if drop_outputs and compat.releases_tangents() else frozenset()
     gp = _assemble(joint, items, num_fwd_outputs, budget_bytes, dropped=frozenset(dropped), released=released)
     return dataclasses.replace(gp, problem=_pinned_where_made(gp, joint), in_place_sums=in_place)
 
@@ -174,7 +175,9 @@ def _released_tangents(joint: fx.GraphModule) -> frozenset[str]:
     (`CompiledFunction.boxed_grads_call`), so it dies after its last use in the backward
     graph, as every other value does. Measured on GPT-2 tiny under inductor at 5.44 MiB:
     the logits' 262,144 B zero tangent is freed after the first kernel; held to the end,
-    the prediction was 5,641,488 B against 5,379,344 B measured, exactly its bytes over."""
+    the prediction was 5,641,488 B against 5,379,344 B measured, exactly its bytes over.
+    A torch whose backward takes its gradients unboxed holds them all to the end
+    (`remat.compat.releases_tangents`): then none is released."""
     return frozenset(n.name for n in joint.graph.find_nodes(op="placeholder")
                      if n.name.startswith("tangents") and tensor_val(n) is not None and not is_loss_seed(n))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from remat.compat import optimization_hint
 from remat.runtime.rng import generator_state
 
 _NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
@@ -25,9 +26,7 @@ def storage_bytes(t: torch.Tensor) -> int:
     """Bytes of the tensor's storage; a symbolic size counts as its hint (no guard)."""
     nbytes = t.untyped_storage().nbytes()
     if isinstance(nbytes, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(nbytes, fallback=4096))
+        return optimization_hint(nbytes, fallback=4096)
     return int(nbytes)
 
 

@@ -254,13 +254,21 @@ def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tenso
     # budget at their floors).
     with _record_module_locations(user_model), eager_cpu_layouts(), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True):
-        return aot_module_simplified(
-            module,
-            list(tensors),
-            fw_compiler=boxed_eager_compiler,
-            bw_compiler=boxed_eager_compiler,
-            partition_fn=partition_fn,
-        )
+        try:
+            return aot_module_simplified(
+                module,
+                list(tensors),
+                fw_compiler=boxed_eager_compiler,
+                bw_compiler=boxed_eager_compiler,
+                partition_fn=partition_fn,
+            )
+        except NotImplementedError as e:
+            if "Generator" not in str(e):  # torch 2.11 (`compat.traces_generators`)
+                raise
+            raise TraceError(
+                "the model passes a torch.Generator to a random op (generator=...), which torch "
+                f"{torch.__version__} cannot trace ({e}); torch 2.13 and newer can: upgrade torch, "
+                "or draw from the default generator (torch.manual_seed)") from e
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,7 +35,8 @@ Inductor still decides which allowed pairs to fuse, and its other checks (legali
 cycles, profitability) all still apply.
 
 Installed per compile through inductor's `_pre_fusion_custom_pass` config (a
-`CustomSchedulerPass`, so torch's FX-graph cache keys on its uuid); it wraps `can_fuse`
+`CustomSchedulerPass` where torch has it, so torch's FX-graph cache keys on its uuid;
+`remat.compat.scheduler_pass_base`); it wraps `can_fuse`
 and `fuse_two_nodes` on that compile's scheduler object only. A post-fusion pass records
 inductor's own estimate of each graph's peak before and after fusion for the summary.
 """
@@ -167,10 +168,11 @@ def _in_order(nodes: list[Any]) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _pass_classes() -> tuple[type, type]:
-    from torch._inductor.custom_graph_pass import CustomSchedulerPass
     from torch._inductor.scheduler import NopKernelSchedulerNode
 
-    class _Shared(CustomSchedulerPass):
+    from remat.compat import scheduler_pass_base
+
+    class _Shared(scheduler_pass_base()):
         """Deep-copied as itself and pickled as its uuid (torch copies and pickles
         inductor's config; the record must reach the backend)."""
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from remat.compat import fsdp_param_groups
 from remat.runtime.step.storages import key as _key
 
 _FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
@@ -80,7 +81,7 @@ class FsdpState:
             return
         for ref in list(_module_state_mapping.values()):
             state = ref()
-            groups = getattr(state, "_fsdp_param_groups", None)
+            groups = fsdp_param_groups(state)
             if not groups or not any(_key(p._unsharded_param) in keys for g in groups
                                      for p in g.fsdp_params if hasattr(p, "_unsharded_param")):
                 continue
@@ -94,7 +95,7 @@ class FsdpState:
         for ref in self._states:
             state = ref()
             if state is not None:
-                for group in state._fsdp_param_groups:
+                for group in fsdp_param_groups(state):
                     yield state, group
 
     def live(self) -> dict[int, int]:
