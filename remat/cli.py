@@ -4,8 +4,10 @@
     remat fit package.module:build --budget 6GiB --vary batch_size [--max 256]
     remat plan --model gpt2 --size tiny --budget 70%      (a bundled model)
 
-Exit codes: 0 done; 1 `fit` found no value that fits; 2 a mistake in the command
-(bad TARGET, factory, --set, budget, option) or a budget below the smallest peak.
+Exit codes: 0 done; 1 the answer is "no": `report`'s budget is below the smallest
+reachable peak (the report is written all the same, for the plan at that floor, status
+"infeasible"), or `fit` found no value that fits; 2 a mistake in the command (bad
+TARGET, factory, --set, budget, option).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     from remat.progress import Stages
     from remat.report import html, plots, text, to_json
     from remat.report.breakdown import TrainingOptions
-    from remat.report.data import build_report
+    from remat.report.data import below_the_floor, build_report
 
     try:
         training = TrainingOptions(optimizer=opts.optimizer, precision=opts.precision, shard=opts.shard,
@@ -158,14 +160,24 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     stages = Stages(quiet=opts.quiet)
     with stages.stage("building the model"):
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
+    refused = None
     with stages.planning(opts.verbose):
-        planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
-                             solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload],
-                             outputs=opts.outputs)
+        def plan(budget: int | str) -> Any:
+            return remat.plan(built.model, built.args, built.kwargs, budget=budget, solver=opts.solver,
+                              device_speed=speed, offload=_OFFLOAD[opts.offload], outputs=opts.outputs)
+
+        try:
+            planned = plan(opts.budget)
+        except remat.InfeasibleBudgetError as e:  # "no" is an answer: report the floor's plan
+            refused = e
+            planned = plan(e.min_peak_bytes)
     with stages.stage("Pareto sweep") as advance:
         report = build_report(planned.step, built.model, name=opts.target, options=training,
                               pareto_points=opts.pareto_points, pareto_time_limit_s=opts.pareto_time_limit,
-                              cost_model=cost_model, fake=opts.fake, on_pareto_point=advance)
+                              cost_model=cost_model, fake=opts.fake, on_pareto_point=advance,
+                              solver=opts.solver)
+    if refused is not None:
+        report = below_the_floor(report, refused.budget_bytes)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     with stages.stage("writing the report"):
@@ -174,6 +186,9 @@ def _cmd_report(opts: argparse.Namespace) -> int:
                    plots.save_png(plots.pareto_figure(report), out / "pareto.png")]
     print(text.render(report))
     print("wrote " + ", ".join(str(p) for p in written))
+    if refused is not None:
+        print(f"remat: {_one_line(refused)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -181,6 +196,7 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
     import remat
     from remat import fit
     from remat import target as tgt
+    from remat.budget import format_bytes
     from remat.progress import Stages
 
     if "%" in opts.budget:
@@ -192,12 +208,19 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
         raise tgt.TargetError(f"--vary {opts.vary} is also given with --set; drop one of them")
     stages = Stages(quiet=opts.quiet)
 
-    def plan_value(v: int) -> int:
+    def plan_value(v: int, budget: int | str = opts.budget) -> int:
         built, speed, _ = _build(opts, {**sets, opts.vary: v})
-        planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget,
+        planned = remat.plan(built.model, built.args, built.kwargs, budget=budget,
                              solver=opts.solver, device_speed=speed, offload=_OFFLOAD[opts.offload],
                              outputs=opts.outputs)
         return planned.predicted_peak_bytes
+
+    def floor_of(v: int) -> int:
+        """The smallest reachable peak at value v (the refusal of a 1-byte budget)."""
+        try:
+            return plan_value(v, 1)
+        except remat.InfeasibleBudgetError as e:
+            return e.min_peak_bytes
 
     with stages.stage(f"searching {opts.vary}"):
         result = fit.search(fit.timed_probe(plan_value, remat.InfeasibleBudgetError),
@@ -207,11 +230,20 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
         "answer": result.answer, "hit_maximum": result.hit_maximum,
         "probes": [dataclasses.asdict(p) for p in result.probes],
     }, indent=1) + "\n", encoding="utf-8")
+    by_value = {p.value: p for p in result.probes}
     if result.answer is None:
-        print(f"no {opts.vary} >= {opts.start} fits {opts.budget} (probes in {opts.out})")
+        first = by_value[opts.start]
+        print(f"no {opts.vary} >= {opts.start} fits {opts.budget}: {opts.vary}={opts.start} needs at least "
+              f"{format_bytes(first.min_peak_bytes)} (its floor); probes in {opts.out}")
         return 1
     more = " (the --max given; larger values were not tried)" if result.hit_maximum else ""
-    print(f"{opts.vary}={result.answer} fits {opts.budget}{more}; probes in {opts.out}")
+    fits = by_value[result.answer]
+    print(f"{opts.vary}={result.answer} fits {opts.budget}{more}: predicted peak "
+          f"{format_bytes(fits.predicted_peak_bytes)}, floor {format_bytes(floor_of(result.answer))}")
+    if not result.hit_maximum:
+        nearest = by_value[result.answer + 1]
+        print(f"{opts.vary}={result.answer + 1} does not: its floor is {format_bytes(nearest.min_peak_bytes)}")
+    print(f"probes in {opts.out}")
     return 0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import remat
+from remat.budget import format_bytes
 from remat import cli, target
 from remat.report.breakdown import activations_at_peak
 
@@ -151,12 +152,13 @@ def test_breakdown_counts_state_by_formula_and_activations_sum_to_the_peak(repor
     assert b["activations_bytes"] == live["saved"] + live["recomputed"] + live["temporaries"]
 
 
-def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path):
+def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path, capsys):
     budget = 600_000
     out = tmp_path / "fit.json"
     argv = ["fit", f"{user_file}:build", "--budget", str(budget), "--vary", "batch_size",
             "--set", "depth=2", "--max", "4096", "--out", str(out), "--quiet", "--solver", "chen-greedy"]
     assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     answer = data["answer"]
     assert answer is not None and not data["hit_maximum"] and 1 < answer < 4096
@@ -169,6 +171,10 @@ def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path):
                                     {"batch_size": answer + 1, "depth": 2})
         remat.plan(built.model, built.args, built.kwargs, budget=budget, solver="chen-greedy")
     assert probes[answer + 1]["min_peak_bytes"] > budget
+    # the answer, the nearest value that does not fit, and each one's floor
+    nearest_floor = format_bytes(probes[answer + 1]["min_peak_bytes"])
+    assert f"batch_size={answer} fits {budget}: predicted peak " in printed and ", floor " in printed
+    assert f"batch_size={answer + 1} does not: its floor is {nearest_floor}" in printed
 
 
 @pytest.mark.parametrize(("argv_tail", "needle"), [
@@ -182,7 +188,6 @@ def test_fit_answer_fits_and_the_next_value_does_not(user_file, tmp_path):
     (["{dir}/mymodel.py:build", "--set", "batch_size"], "is not name=value"),
     (["{dir}/mymodel.py:build", "--set", "batch=8"], "takes no argument 'batch'"),
     (["{dir}/mymodel.py:build", "--budget", "lots"], "cannot parse budget"),
-    (["{dir}/mymodel.py:build", "--budget", "1KB"], "below the smallest reachable peak"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(user_file, tmp_path, capsys, argv_tail, needle):
     (user_file.parent / "broken.py").write_text("import torch\nundefined_name\n")
@@ -194,6 +199,24 @@ def test_bad_input_is_one_line_and_exit_code_2(user_file, tmp_path, capsys, argv
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("remat: error:") and needle in err, err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_budget_below_the_floor_is_answered_with_the_floors_report_and_exit_1(user_file, tmp_path, capsys):
+    """"Will it fit?" answered "no" is an answer: every file is written, for the plan at
+    the smallest reachable peak, and the exit code is 1 (not 2, a usage error)."""
+    argv = ["report", f"{user_file}:build", "--budget", "1KB", "--out", str(tmp_path), "--quiet",
+            "--pareto-points", "2"]
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "below the smallest reachable peak" in captured.err
+    assert "does NOT fit:      budget 0.00 MiB (1000 B)" in captured.out
+    for name in ("report.json", "report.html", "timeline.png", "pareto.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["status"] == "infeasible" and data["requested_budget_bytes"] == 1000
+    _, at_floor = _plan_like_the_cli(user_file, data["budget_bytes"])  # the plan shown runs there
+    assert data["predicted_peak_bytes"] == at_floor.predicted_peak_bytes <= data["budget_bytes"]
+    assert data["min_peak_bytes"] <= data["budget_bytes"] and data["pareto"] and data["breakdown"]
 
 
 def test_fit_refuses_a_percentage_budget(user_file, capsys):

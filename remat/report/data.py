@@ -82,6 +82,16 @@ class Report:
     """Bytes the plan moves to host memory (each way)."""
     transfer_s: float = 0.0
     """Offload transfer seconds out and back, in full; `offload_s` is the exposed part."""
+    requested_budget_bytes: int | None = None
+    """The budget asked for when it is below every reachable peak (`status` "infeasible"):
+    the plan shown is then the one at the floor, `budget_bytes` = `min_peak_bytes`. None
+    when the budget asked for was planned."""
+
+
+def below_the_floor(report: Report, requested_budget_bytes: int) -> Report:
+    """`report` (of the plan at the floor) as the answer to a budget below it: status
+    "infeasible", the budget asked for beside the floor that was planned."""
+    return dataclasses.replace(report, status="infeasible", requested_budget_bytes=requested_budget_bytes)
 
 
 def build_report(
@@ -95,12 +105,15 @@ def build_report(
     cost_model: str = "roofline of this machine (measured)",
     fake: bool = False,
     on_pareto_point: Callable[[int, int], None] | None = None,
+    solver: str | None = None,
 ) -> Report:
-    """The Report of `step` (a plan of `model`); `pareto_points=0` skips the sweep."""
+    """The Report of `step` (a plan of `model`); `pareto_points=0` skips the sweep.
+    `solver`: the registered solver the sweep plans with (default: the plan's; a plan from
+    the floor search carries a name of its own, such as "auto+scheduled")."""
     gp, plan, ev = step.graph_problem, step.plan, step.evaluation
     problem = gp.problem
     if pareto_points:
-        pareto = sweep(problem, solver=plan.solver, points=pareto_points,
+        pareto = sweep(problem, solver=solver or plan.solver, points=pareto_points,
                        time_limit_s=pareto_time_limit_s, on_point=on_pareto_point, known=(plan,),
                        also_budgets=(step.budget_bytes,))
         floor = pareto[0].predicted_peak_bytes

@@ -87,6 +87,9 @@ def render(report: "Report") -> str:
     counts = {d: sum(r.decision == d for r in report.decisions) for d in ("save", "recompute", "offload")}
     lines = [
         f"remat report: {report.model}  ({report.solver}, {report.status}; cost model: {report.cost_model})",
+        *([f"  does NOT fit:      budget {format_bytes(report.requested_budget_bytes)} is below the "
+           f"smallest reachable peak {format_bytes(report.min_peak_bytes)}; shown: the plan at that floor"]
+          if report.requested_budget_bytes is not None else []),
         f"  budget:            {format_bytes(report.budget_bytes)}",
         f"  predicted peak:    {format_bytes(report.predicted_peak_bytes)}",
         f"  no-remat peak:     {format_bytes(report.baseline_peak_bytes)}",

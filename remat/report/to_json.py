@@ -8,7 +8,8 @@ Schema (all byte counts are ints, all times float seconds):
     baseline_peak_bytes   int    simulated peak with every activation saved
     predicted_peak_bytes  int    simulated peak of the plan (<= budget_bytes)
     min_peak_bytes        int    smallest peak any plan found (the Pareto floor)
-    solver, status        str    solver name; optimal | feasible
+    solver, status        str    solver name; optimal | feasible | infeasible (the budget asked
+                                 for is below every reachable peak: the plan is the floor's)
     solve_s               float
     extra_compute_s       float  recompute seconds under the cost model
     offload_s             float  exposed transfer seconds of offloaded values
@@ -18,6 +19,8 @@ Schema (all byte counts are ints, all times float seconds):
     planning_s            {trace, profile, solve, rewrite: float}
     offloaded_bytes       int    bytes moved to host memory (each way)
     transfer_s            float  transfer seconds out and back in full (hidden = transfer_s - offload_s)
+    requested_budget_bytes int|null  the budget asked for when infeasible (budget_bytes is then
+                                 min_peak_bytes, where the plan shown runs); null otherwise
     breakdown             {trainable_params, frozen_params, weights_bytes, gradients_bytes,
                            master_bytes, optimizer_bytes, buffers_bytes, inputs_bytes,
                            activations_saved_bytes, activations_recomputed_bytes,
