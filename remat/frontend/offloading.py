@@ -66,12 +66,19 @@ def resolve_bandwidth(offload: Any, device: torch.device | None) -> float | None
     return link_bandwidth_bytes_per_s(device)
 
 
-@functools.lru_cache(maxsize=None)
 def link_bandwidth_bytes_per_s(device: torch.device) -> float:
-    """Device->host copy bandwidth, measured once per process. On CPU the host store is
-    one memcpy, i.e. half the read+written bandwidth `costs.device_speed` reports."""
+    """Device->host copy bandwidth. On CPU the host store is one memcpy, i.e. half the
+    read+written bandwidth `costs.device_speed` reports for the current thread count (read
+    each time: a figure kept from a call under another thread count made the same model's
+    plan depend on the tests that ran before it in the process); on CUDA measured once per
+    process and device (`_cuda_link_bandwidth_bytes_per_s`)."""
     if device.type == "cpu":
         return costs.device_speed("cpu").bandwidth_bytes_per_s / 2.0
+    return _cuda_link_bandwidth_bytes_per_s(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_link_bandwidth_bytes_per_s(device: torch.device) -> float:
     src = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
     best = float("inf")
