@@ -46,7 +46,7 @@ TORCH_API_FILES = frozenset({
     "test_distributed.py", "test_ddp_buckets.py",
     # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes,
     # the flop counter, the profiler's event tree
-    "test_random_signatures.py", "test_rng_replay.py", "test_made_at_run.py", "test_shapes.py",
+    "test_random_signatures.py", "test_rng_replay.py", "test_cuda_values.py", "test_shapes.py",
     "test_costs.py", "test_measure.py", "test_workspace.py",
 })
 """Test files that touch an API of torch's that differs between supported versions

@@ -22,12 +22,21 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+CUDA_BLOCK_BYTES = 512
+"""CUDA's caching allocator serves every request in multiples of 512 bytes
+(`kMinBlockSize`, `CUDACachingAllocator.cpp`'s `round_size`), and
+`torch.cuda.max_memory_allocated` counts the rounded blocks."""
+
+
 def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's storage; a symbolic size counts as its hint (no guard)."""
+    """Bytes the device's allocator hands out for the tensor's storage: its size, on CUDA
+    rounded up to the allocator's 512-byte blocks (`CUDA_BLOCK_BYTES`); a symbolic size
+    counts as its hint (no guard)."""
     nbytes = t.untyped_storage().nbytes()
-    if isinstance(nbytes, torch.SymInt):
-        return optimization_hint(nbytes, fallback=4096)
-    return int(nbytes)
+    nbytes = optimization_hint(nbytes, fallback=4096) if isinstance(nbytes, torch.SymInt) else int(nbytes)
+    if t.device.type == "cuda" and nbytes:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
 
 
 def joint_device_type(joint: fx.GraphModule) -> str | None:

@@ -1,4 +1,6 @@
-"""Values whose device the trace does not know (`frontend.profile.made_at_run`).
+"""What the trace of a CUDA step holds that a CPU one does not, tested on CPU: values whose
+device the trace does not know (`frontend.profile.made_at_run`), and the caching
+allocator's block rounding.
 
 SDPA's fused CUDA kernels return their Philox seed and offset as tensors whose device
 is chosen when the kernel runs, so the trace holds them as meta tensors in a graph on a
@@ -111,3 +113,18 @@ def test_an_op_reading_a_seed_made_at_run_is_not_run_for_its_workspace(monkeypat
     targets = {node.target for node in ran}
     assert torch.ops.aten.addmm.default in targets  # the rest was measured
     assert torch.ops.remat_test.seeded_double_backward.default not in targets
+
+
+def test_cuda_storages_count_in_the_allocators_512_byte_blocks():
+    """`torch.cuda.max_memory_allocated` counts the caching allocator's rounded blocks: a
+    4-byte CUDA tensor takes 512 B; traced on fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.frontend.profile import storage_bytes
+
+    with FakeTensorMode():
+        assert storage_bytes(torch.empty(1, device="cuda")) == 512
+        assert storage_bytes(torch.empty(129, device="cuda")) == 1024  # 516 B
+        assert storage_bytes(torch.empty(128, device="cuda")) == 512
+        assert storage_bytes(torch.empty(0, device="cuda")) == 0
+    assert storage_bytes(torch.empty(129)) == 516  # CPU: exact
