@@ -44,10 +44,8 @@ TORCH_API_FILES = frozenset({
     "test_offload_inductor.py", "test_outputs.py", "test_shared_storage.py",
     # torch.distributed: DDP's optimizer, FSDP2's internals (remat.runtime.step.fsdp)
     "test_distributed.py", "test_ddp_buckets.py",
-    # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes,
-    # the flop counter, the profiler's event tree
+    # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes
     "test_random_signatures.py", "test_rng_replay.py", "test_cuda_values.py", "test_shapes.py",
-    "test_costs.py", "test_measure.py", "test_workspace.py",
 })
 """Test files that touch an API of torch's that differs between supported versions
 (`remat.compat`): CI runs them (`-m torch_api`) on the oldest and the newest torch
