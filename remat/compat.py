@@ -4,8 +4,9 @@ remat does where it is missing.
 remat supports torch 2.11 through 2.14 (`SUPPORTED`; pyproject.toml's bounds say the
 same, and CI runs the suite on the oldest, the pinned and the newest). Everything below
 that differs between those versions goes through this module; code elsewhere asks it,
-never `torch.__version__`. Where a feature cannot work on the torch at hand, `require`
-raises a `RematError` naming the feature and the torch it needs.
+never `torch.__version__`. Where a feature cannot work on the torch at hand, remat raises
+a `RematError` naming the feature and the torch it needs (a random op's `generator=` on
+2.11: `TraceError`), and the rest keeps working.
 
 | feature | 2.11 | 2.13, 2.14 | without it |
 |---|---|---|---|
@@ -35,15 +36,6 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
 
 def at_least(major: int, minor: int) -> bool:
     return torch_version() >= (major, minor)
-
-
-def require(feature: str, major: int, minor: int) -> None:
-    """Raise a `RematError` when the installed torch is older than `major.minor`."""
-    if not at_least(major, minor):
-        from remat.errors import RematError
-
-        raise RematError(f"{feature} needs torch >= {major}.{minor}; this is torch {torch.__version__}: "
-                         f"upgrade torch, or use what remat does without it")
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,4 +84,4 @@ def traces_generators() -> bool:
     return at_least(2, 13)
 
 
-__all__ = ["SUPPORTED", "at_least", "fsdp_param_groups", "optimization_hint", "releases_tangents", "require", "scheduler_pass_base", "torch_version", "traces_generators"]
+__all__ = ["SUPPORTED", "at_least", "fsdp_param_groups", "optimization_hint", "releases_tangents", "scheduler_pass_base", "torch_version", "traces_generators"]

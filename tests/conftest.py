@@ -46,6 +46,7 @@ TORCH_API_FILES = frozenset({
     "test_distributed.py", "test_ddp_buckets.py",
     # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes
     "test_random_signatures.py", "test_rng_replay.py", "test_cuda_values.py", "test_shapes.py",
+    "test_compat.py",
 })
 """Test files that touch an API of torch's that differs between supported versions
 (`remat.compat`): CI runs them (`-m torch_api`) on the oldest and the newest torch

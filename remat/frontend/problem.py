@@ -142,8 +142,9 @@ def _pinned_where_made(gp: GraphProblem, joint: fx.GraphModule) -> Problem:
     [Seed and Offset]"). A reload could only put them back on the traced device, meta,
     whose storage has no memory (an offloaded seed crashed the backward)."""
     by_name = {n.name: n for n in joint.graph.nodes}
+    device_type = joint_device_type(joint)
     pinned = {i for i, name in enumerate(gp.value_name)
-              if name in by_name and made_at_run(tensor_val(by_name[name]), joint_device_type(joint))}
+              if name in by_name and made_at_run(tensor_val(by_name[name]), device_type)}
     if not pinned:
         return gp.problem
     nodes = tuple(dataclasses.replace(n, offloadable=False) if i in pinned else n
