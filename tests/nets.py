@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -39,3 +41,23 @@ def needs_torch(major: int, minor: int, why: str):
     from remat import compat
 
     return pytest.mark.skipif(not compat.at_least(major, minor), reason=f"needs torch >= {major}.{minor}: {why}")
+
+
+def _loss(out):
+    return out if out.ndim == 0 else out.pow(2).mean()
+
+
+def assert_gradients_match(model: nn.Module, run, eager_run, where: str) -> None:
+    """Every parameter's gradient after `run(model)` close to eager's after `eager_run` on
+    a copy (rtol 1e-4, atol 1e-6: inductor's rounding, `test_backend_gradients.py`); an
+    output that is not a scalar is reduced by a squared mean."""
+    eager = copy.deepcopy(model)
+    _loss(eager_run(eager)).backward()
+    _loss(run(model)).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{where}: gradient of {name}: {m}")
+
+
+PLANS = {"nothing recomputed": {"budget": "100%"}, "all recomputed": {"budget": "100%", "solver": "all"}}
+"""The two ends of the plan space through `remat.backend`: nothing recomputed, everything."""

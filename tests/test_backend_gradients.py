@@ -1,8 +1,8 @@
 """Every parameter's gradient through `torch.compile(model, backend=remat.backend(...))`
 with inductor equals eager's, on small random compositions of blocks (norms before or
 after the residual, gated MLPs, attention, the loss inside or outside the compiled
-module) and on zoo models, with nothing recomputed (budget "100%") and with everything
-recomputed that can be (solver "all").
+module), with nothing recomputed (budget "100%") and with everything recomputed that can
+be (solver "all"); on zoo models in `test_backend_gradients_zoo.py`.
 
 Tolerance: relative 1e-4 (absolute 1e-6 for gradients near zero). Inductor's generated
 kernels vectorize transcendental functions and reorder reductions, so its float32
@@ -12,7 +12,6 @@ weight gradient at 1e-4 of its norm)."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 import remat
-from remat import zoo
+from nets import PLANS, assert_gradients_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 D = 32
@@ -104,22 +103,6 @@ def composition(seed: int) -> tuple[Composition, torch.Tensor]:
     return Composition(blocks, loss_inside=rng.random() < 0.5), torch.randn(4, 16, D)
 
 
-def _loss(out):
-    return out if out.ndim == 0 else out.pow(2).mean()
-
-
-def assert_gradients_match(model: nn.Module, run, eager_run, where: str) -> None:
-    eager = copy.deepcopy(model)
-    _loss(eager_run(eager)).backward()
-    _loss(run(model)).backward()
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{where}: gradient of {name}: {m}")
-
-
-PLANS = {"nothing recomputed": {"budget": "100%"}, "all recomputed": {"budget": "100%", "solver": "all"}}
-
-
 SEEDS = (0, 1, 4, 6, 7, 9)
 """Compositions covering post-, pre- and shared norms, gated MLPs, attention, the loss
 inside and outside; 7 and 9 (the loss inside, a shared LayerNorm last) gave a wrong
@@ -137,17 +120,3 @@ def test_random_compositions_train_as_eager_through_the_backend(seed, plan):
     assert be.steps  # remat planned what ran
     if plan == "all recomputed":
         assert any(step.evaluation.recomputed_ids for step in be.steps)
-
-
-@pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_zoo_models_train_as_eager_through_the_backend(name, plan):
-    torch._dynamo.reset()
-    case = zoo.build(name, size="tiny")
-    case.model.eval()  # dropout off: inductor draws other random numbers than eager
-    with torch.no_grad():  # transformers settles `config.problem_type` on the first call
-        case.model(*case.args, **case.kwargs)
-    be = remat.backend(**PLANS[plan])
-    compiled = torch.compile(case.model, backend=be)
-    assert_gradients_match(case.model, lambda m: compiled(*case.args, **case.kwargs).loss,
-                           lambda m: m(*case.args, **case.kwargs).loss, f"{name}, {plan}")
