@@ -23,23 +23,38 @@ import dataclasses
 from collections.abc import Sequence
 
 from solvers.base import finish
-from solvers.problem import Decision, Phase, Plan, Problem, Status, StepKind
+from solvers.problem import Decision, Phase, Plan, Problem, Status, Step, StepKind
 from solvers.simulate import evaluate
 
 
-def shared_saves(problem: Problem, plan: Plan) -> dict[int, list[int]]:
+def shared_saves(problem: Problem, plan: Plan, steps: Sequence[Step] | None = None) -> dict[int, list[int]]:
     """Per forward storage (the id of the value that owns it): the saved values the
     backward reads in it, where there are two or more. Empty for a plan the runtime can
-    run as it is; an INFEASIBLE plan is not looked at."""
+    run as it is; an INFEASIBLE plan is not looked at. `steps`: the plan's simulated steps
+    when the caller has them (else simulated here, only when two saved values share a
+    storage at all)."""
     if plan.status is Status.INFEASIBLE:
         return {}
-    read = _read_in_backward(problem, plan)
     groups: dict[int, list[int]] = {}
     for i, d in plan.decisions.items():
         root = problem.storage_of[i]
-        if d is Decision.SAVE and i in read and problem.nodes[root].phase is Phase.FORWARD:
+        if d is Decision.SAVE and problem.nodes[root].phase is Phase.FORWARD:
             groups.setdefault(root, []).append(i)
+    if all(len(ids) < 2 for ids in groups.values()):
+        return {}
+    if steps is None:
+        steps = evaluate(problem, plan.decisions, plan.schedule).steps
+    read = read_in_backward(problem, steps)
+    groups = {root: [i for i in ids if i in read] for root, ids in groups.items()}
     return {root: sorted(ids) for root, ids in groups.items() if len(ids) > 1}
+
+
+def read_in_backward(problem: Problem, steps: Sequence[Step]) -> set[int]:
+    """Ids read by some backward or recompute step of `steps` (a reload reads the host
+    copy, not the value's inputs)."""
+    nodes = problem.nodes
+    return {j for step in steps if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
+            for j in nodes[step.node_id].inputs}
 
 
 def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
@@ -73,14 +88,6 @@ def _from_its_base(problem: Problem, i: int) -> bool:
     node = problem.nodes[i]
     return node.recomputable and all(
         j == node.alias_of or problem.nodes[j].phase in (Phase.PARAM, Phase.INPUT) for j in node.inputs)
-
-
-def _read_in_backward(problem: Problem, plan: Plan) -> set[int]:
-    """Ids read by some backward or recompute step of `plan`'s schedule."""
-    nodes = problem.nodes
-    steps = evaluate(problem, plan.decisions, plan.schedule).steps
-    return {j for step in steps if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
-            for j in nodes[step.node_id].inputs}
 
 
 def _with_recomputes(problem: Problem, schedule: Sequence[int], views: Sequence[int]) -> list[int]:

@@ -174,9 +174,9 @@ def _released_tangents(joint: fx.GraphModule) -> frozenset[str]:
     for an output the caller dropped, or a gradient that a later graph's backward hands
     on) reaches AOTAutograd's backward in a list its prologue clears
     (`CompiledFunction.boxed_grads_call`), so it dies after its last use in the backward
-    graph, as every other value does. Measured on GPT-2 tiny under inductor at 5.44 MiB:
-    the logits' 262,144 B zero tangent is freed after the first kernel; held to the end,
-    the prediction was 5,641,488 B against 5,379,344 B measured, exactly its bytes over.
+    graph, as every other value does (GPT-2 tiny under inductor: the logits' 262,144 B
+    zero tangent is freed after the first kernel; held to the end in the model, the
+    prediction would exceed the measurement by exactly its bytes).
     A torch whose backward takes its gradients unboxed holds them all to the end
     (`remat.compat.releases_tangents`): then none is released."""
     return frozenset(n.name for n in joint.graph.find_nodes(op="placeholder")

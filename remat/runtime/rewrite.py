@@ -26,7 +26,7 @@ from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
 from remat.runtime.schedule import rebuild_backward, recomputes_twice
 from solvers import Decision, Evaluation, Plan, StepKind
-from solvers.shared_storage import shared_saves
+from solvers.shared_storage import read_in_backward, shared_saves
 
 
 def partition(
@@ -40,13 +40,13 @@ def partition(
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward modules of `plan` (whose simulation is `evaluation`).
     custom_offload_ops: offload through torch.library ops (graphs inductor compiles)."""
-    _check_storages_saved_once(graph_problem, plan)
+    _check_storages_saved_once(graph_problem, plan, evaluation)
     by_name = {n.name: n for n in joint.graph.nodes}
     # Primals are saved too (free: they are live all step); extraction drops the unused.
     saved = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     # Only the saved values backward reads (directly or to recompute): extraction keeps
     # any saved value some copied node reads, even a dead random op it copied.
-    read = _read_in_backward(graph_problem, evaluation)
+    read = read_in_backward(graph_problem.problem, evaluation.steps)
     kept = [graph_problem.value_name[i] for i, d in plan.decisions.items()
             if d in (Decision.SAVE, Decision.OFFLOAD) and i in read]
     saved += [by_name[name] for name in kept]
@@ -78,11 +78,11 @@ def partition(
     return fw, bw
 
 
-def _check_storages_saved_once(graph_problem: GraphProblem, plan: Plan) -> None:
+def _check_storages_saved_once(graph_problem: GraphProblem, plan: Plan, evaluation: Evaluation) -> None:
     """No two saved values share a forward storage: AOTAutograd would donate both to
     inductor's backward, which may overwrite one while the other is still to be read
     (`solvers.shared_storage`; the planner makes every plan so)."""
-    shared = shared_saves(graph_problem.problem, plan)
+    shared = shared_saves(graph_problem.problem, plan, evaluation.steps)
     if shared:
         names = [[graph_problem.value_name[i] for i in ids] for ids in shared.values()][:3]
         raise UnsupportedGraphError(
@@ -117,18 +117,6 @@ def _depends_on_tangents(node: fx.Node) -> bool:
             return True
         stack.extend(n.all_input_nodes)
     return False
-
-
-def _read_in_backward(graph_problem: GraphProblem, evaluation: Evaluation) -> set[int]:
-    """Problem ids read by some backward or recompute step (a reload reads the host
-    copy, not the value's inputs)."""
-    nodes = graph_problem.problem.nodes
-    return {
-        j
-        for step in evaluation.steps
-        if step.kind in (StepKind.BACKWARD, StepKind.RECOMPUTE)
-        for j in nodes[step.node_id].inputs
-    }
 
 
 def _backward_rank(graph_problem: GraphProblem, evaluation: Evaluation) -> dict[str, int]:
