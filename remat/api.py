@@ -6,6 +6,7 @@ returns a `Planned` module that shares the model's parameters and buffers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -18,6 +19,7 @@ from torch import nn
 from remat import distributed
 from remat.budget import check_budget_syntax
 from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
+from remat.frontend import workspace
 from remat.frontend.costs import COST_MODELS, DeviceSpeed
 from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
@@ -155,9 +157,13 @@ class Planned(nn.Module):
                                    # twice-recomputing plans below every canonical one: the
                                    # eager runtime runs them (remat/runtime/schedule.py)
                                    schedules=self.options.get("schedules", not self.compile))
+        # a new input shape is planned inside the training step: measuring stays under
+        # the bytes the first plan resolved
+        measuring = workspace.inside_a_step(budget) if cache else contextlib.nullcontext()
         try:
-            traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
-                                   user_model=self.model)
+            with measuring:
+                traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
+                                       user_model=self.model)
         except Exception:
             if partitioner.error is not None:
                 raise partitioner.error from None

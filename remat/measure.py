@@ -33,8 +33,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from remat import compat
+from remat.compat import TorchDispatchMode, is_fake
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,8 @@ class LiveBytesTracker(TorchDispatchMode):
             )
 
     def _counts(self, tensor: torch.Tensor) -> bool:
+        if is_fake(tensor):  # a tracing stand-in (AOTAutograd's, remat's planning): no memory
+            return False
         dev = tensor.device
         if dev.type != self.device.type:
             return False
@@ -332,7 +336,7 @@ def measure_step_cuda(fn: Callable[[], Any], *, device: str | torch.device | Non
 def _allocation_events(prof: Any, device: torch.device) -> list[tuple[int, int, int]]:
     """(start_time_ns, order, alloc_size) of every allocator event on `device`."""
     events: list[tuple[int, int, int]] = []
-    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    stack = list(reversed(compat.profiler_event_tree(prof)))
     while stack:
         event = stack.pop()
         extra = event.extra_fields

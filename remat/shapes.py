@@ -6,6 +6,11 @@ refused with `InfeasibleBudgetError` before anything runs (planning traces with 
 tensors: no gradient, buffer or parameter is touched), and the refusal is remembered.
 `Planned.prepare_lengths` plans a list of lengths ahead, so no training step pays a
 planning stall; each shape's planning time and what ran are in the summary.
+
+A shape planned on its first call is planned inside the training step, and that step
+still holds the budget: tracing is symbolic, and op workspace is measured only within
+what the budget leaves beside the step's inputs and parameters
+(`remat.frontend.workspace`).
 """
 
 from __future__ import annotations

@@ -211,3 +211,50 @@ def test_same_workspace_and_plan_when_measured_again():
     assert first == again and any(first)
     assert runs[0].plan.decisions == runs[1].plan.decisions
     assert runs[0].predicted_peak_bytes == runs[1].predicted_peak_bytes
+
+
+def _attention_backward_op(n: int):
+    b, h, d = 2, 4, 16
+
+    def attention_backward(g, q, k, v, out, lse, mask):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, False, attn_mask=mask.expand(b, 1, n, n), scale=0.25)
+
+    args = [torch.randn(b, h, n, d) for _ in range(5)] + [torch.randn(b, h, n), torch.zeros(1, 1, n, n)]
+    return _only_op(attention_backward, *args)
+
+
+def test_an_op_over_the_limit_is_not_run_and_its_workspace_is_bounded_from_other_shapes():
+    """Measuring may run inside a training step (a new input shape), so an op whose
+    fresh arguments and outputs exceed what the budget leaves is not run; its workspace
+    is the one measured at a smaller shape, scaled up by the argument bytes."""
+    workspace._CACHE.clear()
+    small, large = _attention_backward_op(32), _attention_backward_op(64)
+    measured_small = workspace.measure([small], torch.device("cpu"))[small.name]
+    assert measured_small > 0
+    limit = workspace.footprint_bytes(large) - 1
+    assert workspace.measure([large], torch.device("cpu"), limit_bytes=limit)[large.name] >= measured_small
+    assert len(workspace._CACHE) == 1  # the large shape never ran
+    (key_small,) = workspace._CACHE
+    key_large = workspace.op_key(large) + (key_small[-1],)
+    ratio = workspace._key_bytes(key_large) / workspace._key_bytes(key_small)
+    assert ratio > 1
+    assert workspace.bounded(key_large, large) == int(measured_small * ratio + 0.5)
+    # under the limit it runs, and measures at most the bound
+    real = workspace.measure([large], torch.device("cpu"), limit_bytes=limit + 1)[large.name]
+    assert 0 < real <= int(measured_small * ratio + 0.5)
+
+
+def test_nothing_is_measured_while_a_profiler_records():
+    """A second profiler session would end the user's: under a recording profiler no op
+    runs (an op never measured at any shape counts 0), and the user's session keeps
+    recording the ops after it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    workspace._CACHE.clear()
+    op = _attention_backward_op(32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert workspace.measure([op], torch.device("cpu")) == {}
+        torch.ones(3).add_(1)
+    assert not workspace._CACHE
+    assert any(e.name == "aten::add_" for e in prof.events())

@@ -11,20 +11,32 @@ other ranks), remat's and torch's offload ops, and ops whose arguments cannot be
 (sizes without a hint). Measuring runs under a forked RNG state, so the user's random
 stream is untouched. On meta/fake planning nothing runs: every workspace is 0, stated
 as the assumption (`GraphProblem` callers log it).
+
+Measuring allocates real memory, and it may run inside a training step (a planned
+module called with a new input shape plans that shape first). So an op runs only when
+its fresh arguments, outputs and scratch fit under `limit_bytes` (what the budget leaves
+beside the values live at the call), and nothing runs while a profiler records (a second
+profiler session would end the user's). An op not run takes its workspace from the cache
+at this shape, else `bounded`: the largest measured for the same op at any shape, scaled
+by how much larger this call's arguments are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import fx
 
+from remat import compat
+from remat.compat import OpOverload
 from remat.frontend.profile import made_at_run, tensor_val
-from solvers import Problem
+from solvers import Phase, Problem
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +79,7 @@ def _describe(value: Any) -> Any:
 def op_key(node: fx.Node) -> tuple | None:
     """The cache key of a node's op, or None when it is not measured."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return None
     if _namespace(target) in NEVER_RUN_NAMESPACES:
         return None
@@ -103,9 +115,11 @@ def _materialize(value: Any) -> Any:
     return value
 
 
-def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
-    """Workspace bytes per node name (nodes not measured are absent)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def measure(nodes: Iterable[fx.Node], device: torch.device, *, limit_bytes: int | None = None
+            ) -> dict[str, int]:
+    """Workspace bytes per node name (nodes not measured are absent). With `limit_bytes`,
+    an op whose fresh arguments and outputs take more is not run (`bounded`)."""
+    from remat.compat import unset_fake_temporarily
 
     out: dict[str, int] = {}
     todo: dict[tuple, fx.Node] = {}
@@ -121,14 +135,66 @@ def measure(nodes: Iterable[fx.Node], device: torch.device) -> dict[str, int]:
         keyed.append((node.name, key))
         if key not in _CACHE:
             todo.setdefault(key, node)
-    if todo:
+    recording = profiler_recording()
+    runnable = {key: node for key, node in todo.items()
+                if not recording and (limit_bytes is None or footprint_bytes(node) <= limit_bytes)}
+    if runnable:
         with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
                 devices=[device] if device.type == "cuda" else []):
-            _CACHE.update(_run(list(todo.items()), device))
+            _CACHE.update(_run(list(runnable.items()), device))
+    if len(runnable) < len(todo):
+        log.info("workspace: %d ops not run (%s); their workspace is bounded from other shapes",
+                 len(todo) - len(runnable), "a profiler is recording" if recording else "over the limit")
     for name, key in keyed:
-        if _CACHE.get(key):
-            out[name] = _CACHE[key]
+        found = _CACHE.get(key) if key in _CACHE else bounded(key, todo[key])
+        if found:
+            out[name] = found
     return out
+
+
+def profiler_recording() -> bool:
+    """Whether a torch profiler session is recording in this process."""
+    return compat.profiler_enabled()
+
+
+def footprint_bytes(node: fx.Node) -> int:
+    """Bytes measuring `node` allocates besides its workspace: fresh arguments and its
+    outputs, at their traced sizes."""
+    args = [tensor_val(a) for a in node.all_input_nodes]
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return sum(_span_bytes(t) for t in (*args, *outs) if isinstance(t, torch.Tensor))
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    shape = [_hint(n) for n in t.shape]
+    if 0 in shape:
+        return 0
+    span = 1 + sum((n - 1) * _hint(st) for n, st in zip(shape, t.stride()))
+    return span * t.element_size()
+
+
+def bounded(key: tuple, node: fx.Node) -> int:
+    """Workspace of an op not run at this shape: from each shape the same op was measured
+    at, its workspace scaled up by how many times larger this call's arguments are
+    (workspaces grow with their operands, and never shrink here); the largest of them."""
+    this = _key_bytes(key)
+    return max((int(ws * max(1.0, this / max(1, _key_bytes(k))) + 0.5)
+                for k, ws in _CACHE.items() if k[0] == key[0] and k[-1] == key[-1]), default=0)
+
+
+def _key_bytes(key: tuple) -> int:
+    """Bytes of the tensor arguments a cache key describes."""
+    total, stack = 0, [key[1], key[2]]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple) and item and item[0] == "T":
+            _, shape, stride, dtype, _ = item
+            if 0 not in shape:
+                total += (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
+        elif isinstance(item, tuple):
+            stack.extend(item)
+    return total
 
 
 def _reads_made_at_run(node: fx.Node, device: torch.device) -> bool:
@@ -170,7 +236,7 @@ def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple,
 def _workspaces(prof: Any, device: torch.device, ran: dict[str, tuple]) -> dict[tuple, int]:
     """Per labelled call: peak of its allocator events' running sum less their final sum."""
     out: dict[tuple, int] = {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = compat.profiler_event_tree(prof)
     while stack:
         event = stack.pop()
         key = ran.get(event.name)
@@ -202,15 +268,37 @@ def joint_device(joint: fx.GraphModule) -> torch.device | None:
     return None
 
 
+_STEP_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar("remat_step_budget", default=None)
+
+
+@contextlib.contextmanager
+def inside_a_step(budget_bytes: int) -> Iterator[None]:
+    """Planning inside a training step under `budget_bytes` (a planned module's new input
+    shape): measuring stays under the budget beside the step's inputs and parameters
+    (`measure`'s `limit_bytes`)."""
+    token = _STEP_BUDGET.set(budget_bytes)
+    try:
+        yield
+    finally:
+        _STEP_BUDGET.reset(token)
+
+
 def with_workspace(problem: Problem, fx_names: tuple[tuple[str, ...], ...],
                    joint: fx.GraphModule) -> Problem:
-    """`problem` with each node's measured workspace (its op is fx_names[i][0])."""
+    """`problem` with each node's measured workspace (its op is fx_names[i][0]); inside a
+    step (`inside_a_step`), within what its budget leaves."""
+    budget_bytes = _STEP_BUDGET.get()
     device = joint_device(joint)
     if device is None or device.type == "meta":
         return problem
     by_name = {node.name: node for node in joint.graph.nodes}
     ops = [by_name[names[0]] for names in fx_names if names and names[0] in by_name]
-    found = measure(ops, device)
+    limit = None
+    if budget_bytes is not None:
+        live = sum(n.out_bytes for n in problem.nodes
+                   if n.phase in (Phase.PARAM, Phase.INPUT) and n.alias_of is None)
+        limit = budget_bytes - live
+    found = measure(ops, device, limit_bytes=limit)
     if not found:
         return problem
     extra = _outputs_made_early(problem, fx_names, by_name)
