@@ -42,3 +42,9 @@ class UnsupportedGraphError(RematError):
 class CompositionError(RematError):
     """remat composed with a distributed wrapper (FSDP, DDP, process groups) in a way
     that cannot work; the message names the composition that does."""
+
+
+class UnsupportedTorchError(RematError, ImportError):
+    """The installed torch lacks an API a feature of remat needs (`remat.compat`); the
+    message names the feature, the API and the torch versions that have it. An
+    ImportError too: the feature's import fails, the rest of remat keeps working."""
