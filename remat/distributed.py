@@ -125,10 +125,10 @@ def _exchange(mine: Any) -> list[Any]:
     every rank's collective sequence exactly. A store key cannot be mismatched with a
     collective, and a rank that never publishes makes its peers fail with the store's
     timeout instead of hanging."""
-    from torch.distributed.distributed_c10d import _get_default_store
+    from remat.compat import get_default_store
 
     dist = torch.distributed
-    store = _get_default_store()
+    store = get_default_store()
     key = f"remat/plan/{next(_EXCHANGES)}"
     store.set(f"{key}/{dist.get_rank()}", pickle.dumps(mine))
     try:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from remat.compat import statically_known_true
 from remat.frontend.profile import storage_key, tensor_val
 
 _ADD = torch.ops.aten.add.Tensor

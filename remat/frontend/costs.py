@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.fx
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from remat import compat
+from remat.compat import DispatchKey, OpOverload, TorchDispatchMode
 
 log = logging.getLogger(__name__)
 
@@ -149,15 +149,15 @@ def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
 
-def _is_composite(target: torch._ops.OpOverload) -> bool:
-    key = torch._C.DispatchKey.CompositeImplicitAutograd
+def _is_composite(target: OpOverload) -> bool:
+    key = DispatchKey.CompositeImplicitAutograd
     return target.has_kernel_for_dispatch_key(key)
 
 
-def _decomposed_flops(target: torch._ops.OpOverload, args: Any, kwargs: Any) -> int:
+def _decomposed_flops(target: OpOverload, args: Any, kwargs: Any) -> int:
     """FLOPs of a composite op (``aten.linear``, ``aten.matmul``...) by running its
     decomposition on the fake values under a FlopCounterMode."""
-    from torch._guards import detect_fake_mode
+    from remat.compat import detect_fake_mode
 
     fake_mode = detect_fake_mode(tree_flatten((args, kwargs))[0])
     counter = flop_counter_mode()
@@ -177,7 +177,7 @@ def node_flops(node: torch.fx.Node) -> int:
     composite ops missing from the registry, whose decomposition runs on fake tensors.
     """
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return 0
     args, kwargs = tree_map(_val, (node.args, node.kwargs))
     formula = _REGISTRY.get(target.overloadpacket)
@@ -197,7 +197,7 @@ def _tensor_bytes(value: Any) -> int:
     return _as_int(value.numel()) * value.element_size()
 
 
-def _is_view(target: torch._ops.OpOverload) -> bool:
+def _is_view(target: OpOverload) -> bool:
     """True when every output aliases an input without writing it (no data moves)."""
     returns = target._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
@@ -207,7 +207,7 @@ def node_bytes_moved(node: torch.fx.Node) -> int:
     """Bytes read (tensor inputs) plus bytes written (tensor outputs) by one node;
     0 for views and for non-op nodes (placeholders, getitem, output)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return 0
     if _is_view(target):
         return 0
@@ -329,10 +329,9 @@ def device_speed(
 def _measure_real(device: str | torch.device, dtype: torch.dtype) -> DeviceSpeed:
     """Measure with real tensors even when called while AOTAutograd or inductor trace
     (under FakeTensorMode and proxy modes, a microbenchmark would time fake ops)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
+    from remat.compat import disable_current_modes, unset_fake_temporarily
 
-    with unset_fake_temporarily(), _disable_current_modes():
+    with unset_fake_temporarily(), disable_current_modes():
         return measure_device_speed(device, dtype=dtype)
 
 
@@ -409,7 +408,7 @@ more for a dropout mask saved straight from a draw.
 
 def _is_pointwise(node: torch.fx.Node) -> bool:
     target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+    return (node.op == "call_function" and isinstance(target, OpOverload)
             and torch.Tag.pointwise in target.tags)
 
 
@@ -445,7 +444,7 @@ def _read_unfused(node: torch.fx.Node) -> bool:
             continue
         seen.add(user)
         target = user.target
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, OpOverload):
             return True
         if _is_view(target):
             stack.extend(user.users)

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from remat.compat import FakeTensor, FakeTensorMode
 
 T = TypeVar("T")
 

@@ -80,16 +80,19 @@ _READ: dict[tuple, float] = {}
 def _measure(device: str) -> float:
     """Compile the draw with inductor and time it, with real tensors and no trace of the
     caller's in force (this may run while a graph is being compiled)."""
-    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_random)
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils._python_dispatch import _disable_current_modes
+    from remat.compat import (
+        compile_fx_inner,
+        disable_current_modes,
+        inductor_prims,  # noqa: F401  (registers prims.inductor_random)
+        make_fx,
+        tracing,
+        unset_fake_temporarily,
+    )
 
     def draw(seed: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.ops.prims.inductor_random.default([ELEMENTS], seed, "rand"),)
 
-    with unset_fake_temporarily(), _disable_current_modes(), torch._guards.tracing(None):
+    with unset_fake_temporarily(), disable_current_modes(), tracing(None):
         seed = torch.tensor(1234, dtype=torch.int64, device=device)
         compiled = compile_fx_inner(make_fx(draw)(seed), [seed])
         compiled([seed])  # warm up

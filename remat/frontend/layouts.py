@@ -56,7 +56,7 @@ def _overload(qualified: str) -> Any:
 
 def _eager_cpu_layout(decomposition: Callable[..., Any], input_position: int) -> Callable[..., Any]:
     """`decomposition` with its first output laid out as the eager CPU kernel lays it out."""
-    from torch._prims_common import suggest_memory_format
+    from remat.compat import suggest_memory_format
 
     @functools.wraps(decomposition)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -82,8 +82,7 @@ def eager_cpu_layouts(fake_mode: Any = None) -> Iterator[None]:
     symbolic sizes, e.g. dynamo's): those ops' entries are evicted on entry (torch's
     layout must not leak into the trace) and on exit (ours must not leak out of it).
     Re-entrant; restores the table's entries on exit, exceptions included."""
-    from torch._decomp import decomposition_table
-    from torch._subclasses.fake_tensor import torch_decomp_decompositions
+    from remat.compat import decomposition_table, torch_decomp_decompositions
 
     swapped: dict[Any, Callable[..., Any]] = {}
     for names, position in ((_FORWARD_OPS, 0), (_BACKWARD_OPS, 1)):
@@ -110,7 +109,7 @@ def eager_cpu_layouts(fake_mode: Any = None) -> Iterator[None]:
 
 def _evict_cached(ops: set[Any], fake_mode: Any) -> None:
     """Drop fake-tensor cache entries of `ops` (a key's first element is its op)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from remat.compat import FakeTensorMode
 
     if not ops:
         return

@@ -28,9 +28,9 @@ from collections.abc import Callable, Collection, Mapping
 
 import torch
 from torch import fx
-from torch._functorch.partitioners import classify_nodes
 
 from remat import compat
+from remat.compat import classify_nodes
 from remat.frontend.accumulate import in_place_operand
 from remat.frontend.profile import (joint_device_type, made_at_run, never_replay_reason, source_line, storage_bytes,
                                     storage_key, tensor_val)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from remat.compat import optimization_hint
+from remat.compat import HigherOrderOperator, OpOverload, optimization_hint
 from remat.runtime.rng import generator_state
 
 _NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
@@ -82,11 +82,11 @@ def never_replay_reason(node: fx.Node) -> str | None:
     if target is generator_state:
         # read where eager reads it, in forward; rerun in backward it would read another state
         return "generator state"
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(target, HigherOrderOperator):
         # with_effects (ordered side effects), invoke_subgraph, ...: min-cut saves these
         # (`force_save_effectful_ops`); replaying one would repeat its effect.
         return f"higher-order op {target.name()}"
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     tags = set(target.tags)
     seeded = torch.Tag.nondeterministic_seeded in tags
@@ -104,7 +104,7 @@ def never_replay_reason(node: fx.Node) -> str | None:
     return None
 
 
-def _dropout_off(node: fx.Node, target: torch._ops.OpOverload) -> bool:
+def _dropout_off(node: fx.Node, target: OpOverload) -> bool:
     """A seeded op whose only randomness is a `dropout_p` argument that is 0 (the fused
     attention kernels: `_scaled_dot_product_flash_attention_for_cpu` is tagged
     nondeterministic_seeded for its dropout, yet with dropout_p=0 it draws no random

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch.partitioners import classify_nodes
 
+from remat.compat import OpOverload, classify_nodes
 from remat.frontend.profile import never_replay_reason, storage_bytes, tensor_val
 from remat.frontend.workspace import joint_device, measure
 from remat.runtime.rng import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
@@ -144,7 +144,7 @@ def with_replay_workspace(problem: Problem, value_name: tuple[str, ...], replaya
 def _replayable(node: fx.Node) -> bool:
     """A forward random op whose only state is the device's default generator."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or never_replay_reason(node) != "random":
+    if not isinstance(target, OpOverload) or never_replay_reason(node) != "random":
         return False
     if node.kwargs.get("generator") is not None or not node.users:
         return False

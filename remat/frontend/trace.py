@@ -25,6 +25,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from remat.compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+    UserError,
+)
 from remat.errors import TraceError
 
 log = logging.getLogger(__name__)
@@ -178,9 +184,9 @@ def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..
     """Run the graph eagerly with the boxed calling convention: the generated code
     clears its argument list, so saved tensors die at their last use in backward
     (with a plain call, the caller's list would keep every one alive to the end)."""
-    from torch.fx.graph import _BoxedCodeGen
+    from remat.compat import BoxedCodeGen
 
-    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.graph.set_codegen(BoxedCodeGen())
     gm.recompile()
 
     def run(args: list[Any]) -> Any:
@@ -195,10 +201,10 @@ def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..
 
 
 _DATA_DEPENDENT = (
-    torch._dynamo.exc.UserError,
-    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
-    torch._subclasses.fake_tensor.DynamicOutputShapeException,
-    torch._subclasses.fake_tensor.DataDependentOutputException,
+    UserError,
+    GuardOnDataDependentSymNode,
+    DynamicOutputShapeException,
+    DataDependentOutputException,
 )
 
 
@@ -226,7 +232,7 @@ def compile_joint(
     First on the model's eager code path, so the traced program is the one eager runs;
     if that path branches on tensor values, again as non-strict `torch.export` does,
     with `torch.compiler.is_compiling()` true, where libraries take trace-friendly paths."""
-    from torch._export.utils import _compiling_state_context
+    from remat.compat import compiling_state_context
 
     user_model = module if user_model is None else user_model
     try:
@@ -236,7 +242,7 @@ def compile_joint(
         log.warning("remat: the model's eager path branches on tensor values%s; tracing again "
                     "with torch.compiler.is_compiling() set, as torch.export does", first)
         try:
-            with _compiling_state_context():
+            with compiling_state_context():
                 return Traced(_aot(module, user_model, tensors, partition_fn), first)
         except _DATA_DEPENDENT as e:
             raise TraceError(_trace_failure_message(e)) from e
@@ -244,15 +250,14 @@ def compile_joint(
 
 def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tensor],
          partition_fn: Partitioner):
-    from torch._functorch.aot_autograd import aot_module_simplified
-
+    from remat.compat import aot_module_simplified, functorch_config
     from remat.frontend.layouts import eager_cpu_layouts
 
     # Backward compiled now, not lazily at the first backward: the lazy path deep-copies
     # the backward module there, allocating its tensor constants inside the first step
     # (measured: 8 B on a T5 and a Whisper, the allocator 8 B above the prediction and the
     # budget at their floors).
-    with _record_module_locations(user_model), eager_cpu_layouts(), torch._functorch.config.patch(
+    with _record_module_locations(user_model), eager_cpu_layouts(), functorch_config.patch(
             force_non_lazy_backward_lowering=True):
         try:
             return aot_module_simplified(

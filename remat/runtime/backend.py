@@ -221,7 +221,7 @@ class RematBackend:
 
     def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
                          partitioner: Partitioner) -> dict[str, Any]:
-        from torch._inductor import list_mode_options
+        from remat.compat import list_mode_options
 
         patches = dict(list_mode_options(mode)) if mode else {}
         patches.update(self.inductor_options)
@@ -323,7 +323,7 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
 
 @functools.lru_cache(maxsize=1)
 def _partitioner_class() -> type:
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    from remat.compat import CustomPartitionerFn
 
     class _RematPartitionerFn(CustomPartitionerFn):
         """remat's `Partitioner` in the shape inductor's `custom_partitioner_fn` takes.
@@ -387,7 +387,7 @@ class _Watching:
 def _symbolic(gm: fx.GraphModule) -> bool:
     """Whether the graph has symbolic sizes (dynamic shapes): a plan's bytes are then
     those of the size it was traced at, so the ledger cannot add them up per step."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
+    from remat.compat import free_symbols
 
     return any(free_symbols(n.meta.get("example_value")) for n in gm.graph.nodes
                if n.op == "placeholder" and n.meta.get("example_value") is not None)
@@ -398,13 +398,12 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitione
     # wrapper's counter is how DDPOptimizer knows a piece went through AOTAutograd and
     # records its metadata per bucket (without it, the lazily compiled backward asserts
     # "expected same # of fw and bw compiles, but found bucket -1").
-    from torch._dynamo.backends.common import aot_autograd
-
+    from remat.compat import aot_autograd
     from remat.frontend.layouts import eager_cpu_layouts
 
     compiler = aot_autograd(fw_compiler=boxed_eager_compiler, bw_compiler=boxed_eager_compiler,
                             partition_fn=partitioner)
-    from torch._guards import detect_fake_mode
+    from remat.compat import detect_fake_mode
 
     # the traced views must be the ones eager's layouts allow (dynamo's fake mode
     # is the one AOTAutograd traces with, and it may have cached torch's layouts)
@@ -414,9 +413,9 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitione
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
                       *, cache: bool):
-    from torch._inductor.compile_fx import compile_fx
+    from remat.compat import compile_fx, functorch_config
 
-    with torch._functorch.config.patch(enable_autograd_cache=cache):
+    with functorch_config.patch(enable_autograd_cache=cache):
         return compile_fx(gm, list(example_inputs), config_patches=patches)
 
 
@@ -424,7 +423,7 @@ def passthrough(error: RematError) -> RematError:
     """The same error, also a dynamo `ShortenTraceback`: dynamo re-raises those as they
     are instead of wrapping them in `BackendCompilerFailed`, so `except RematError` (and
     `except InfeasibleBudgetError`) in user code sees remat's error from `torch.compile`."""
-    from torch._dynamo.exc import ShortenTraceback
+    from remat.compat import ShortenTraceback
 
     if isinstance(error, ShortenTraceback):
         return error
@@ -438,7 +437,7 @@ def passthrough(error: RematError) -> RematError:
 
 @functools.lru_cache(maxsize=None)
 def _passthrough_class(cls: type) -> type:
-    from torch._dynamo.exc import ShortenTraceback
+    from remat.compat import ShortenTraceback
 
     return type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__})
 
@@ -446,7 +445,7 @@ def _passthrough_class(cls: type) -> type:
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
     """Hash of remat's and the solvers' source: a changed planner never reuses old plans."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
+    from remat.compat import get_hash_for_files
 
     root = Path(__file__).resolve().parents[2]
     files = sorted(str(p) for d in ("remat", "solvers") for p in (root / d).rglob("*.py"))

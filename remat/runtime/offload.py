@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 from torch import fx
-from torch.utils._python_dispatch import _disable_current_modes
+
+from remat.compat import disable_current_modes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +74,7 @@ def store(x: torch.Tensor) -> torch.Tensor:
     # from_numpy allocates nothing but dispatches `lift_fresh`; a device-memory tracker
     # (a dispatch mode) would count host bytes as device bytes, so wrap the host buffer
     # outside the active modes, as a copy to another device would be invisible to them.
-    with _disable_current_modes():
+    with disable_current_modes():
         return torch.from_numpy(host)
 
 

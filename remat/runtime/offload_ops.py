@@ -81,7 +81,7 @@ def _(handle: torch.Tensor, size: list[int], stride: list[int], storage_offset: 
 
 def host_val(val: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The fake value of the host buffer storing `val` (a fake tensor), for node meta."""
-    from torch._guards import detect_fake_mode
+    from remat.compat import detect_fake_mode
 
     mode = detect_fake_mode([val])
     with mode:

@@ -17,8 +17,8 @@ import heapq
 
 import torch
 from torch import fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
+from remat.compat import extract_fwd_bwd_modules
 from remat.errors import UnsupportedGraphError
 from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
@@ -54,7 +54,7 @@ def partition(
                  if d is Decision.OFFLOAD and i in read}
     saved_sym = _saved_sym_nodes(joint)
     saved = [n for n in saved if n not in saved_sym]
-    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
+    fw, bw = extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=num_fwd_outputs)
     rebuilt = recomputes_twice(evaluation)
     if rebuilt:  # extraction recomputes a value once: copy the steps instead
         rebuild_backward(bw, joint, graph_problem, evaluation)
@@ -95,7 +95,7 @@ def _saved_sym_nodes(joint: fx.GraphModule) -> list[fx.Node]:
     size computations. AOTAutograd hands them to backward as `saved_sym_nodes`, as its
     min-cut partitioner does; a SymInt passed as a saved tensor value breaks extraction
     ("Node ... was invalid, but is output"). They cost no device memory."""
-    from torch._functorch.partitioners import is_sym_node
+    from remat.compat import is_sym_node
 
     sym = []
     for node in joint.graph.nodes:

@@ -91,7 +91,7 @@ def _other_output_of_untracked_op(node: fx.Node, step_names) -> bool:
 def _check_untracked(node: fx.Node) -> None:
     """`node` is read before any step made it: only a joint node no problem node stands for
     (a size computation) may be; a tensor value must come from a step or be saved."""
-    from torch._functorch.partitioners import is_sym_node
+    from remat.compat import is_sym_node
 
     if node.op == "placeholder" or not is_sym_node(node):
         raise UnsupportedGraphError(

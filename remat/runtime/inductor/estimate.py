@@ -186,7 +186,7 @@ def _stop_before_kernels(record: list[int], counted: dict[str, Any], sizes: dict
     (`counted`, `sizes`, `workspace`: see there) and `output_storages` (into `outputs`):
     `GraphLowering.save_output_code` is inductor's hook on the finished code, called
     before any kernel is compiled (torch marks it for patching)."""
-    from torch._inductor.graph import GraphLowering
+    from remat.compat import GraphLowering
 
     def stop(_code: str) -> None:
         record.append(generated_bytes(counted, sizes, workspace))
@@ -229,8 +229,10 @@ def _donating(idxs: list[int] | None):
     the partition that metadata is not there yet: a stand-in carries only the indices."""
     import types
 
-    context = torch._guards.TracingContext.try_get()
-    if idxs is None or context is None or not torch._functorch.config.donated_buffer:
+    from remat.compat import TracingContext, functorch_config
+
+    context = TracingContext.try_get()
+    if idxs is None or context is None or not functorch_config.donated_buffer:
         yield
         return
     saved = context.fw_metadata
@@ -259,9 +261,10 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     forward's code returns them in (`output_storages`). `workspace`: both accountings
     count each op's measured scratch while it runs (`graph_workspace`), as remat's plan
     does when it measured workspace; either both or neither, or the margin is off by it."""
-    from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx_inner
     from torch.utils._pytree import tree_leaves
+
+    from remat.compat import compile_fx_inner, unset_fake_temporarily
+    from remat.compat import inductor_config as config
 
     record: list[FusionEstimate] = []
     measured: list[GraphBytes] = []
@@ -272,7 +275,7 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
         uncounted = uncounted_inputs(gm, views)
         donated = (donated_inputs(forward, gm, num_fwd_outputs)
                    if is_backward and forward is not None and num_fwd_outputs is not None else None)
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        with unset_fake_temporarily():
             graph = copy.deepcopy(gm)  # post-grad passes rewrite it in place
         scratch = graph_workspace(gm) if workspace else {}
         op_by_op = op_by_op_bytes(gm, uncounted, scratch)

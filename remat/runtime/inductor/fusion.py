@@ -70,9 +70,8 @@ def _estimate(nodes: list[Any]) -> tuple[int, list[int]]:
     """Inductor's estimate (`torch._inductor.memory`) of the graph's peak and of the bytes
     live at each position of `nodes`, after its allocations (its last entry: after them
     all)."""
-    from torch._inductor import memory
-    from torch._inductor.virtualized import V
-    from torch.utils._ordered_set import OrderedSet
+    from remat.compat import OrderedSet, V
+    from remat.compat import inductor_memory as memory
 
     scheduler = nodes[0].scheduler
     outputs = OrderedSet(V.graph.get_output_names())
@@ -168,9 +167,7 @@ def _in_order(nodes: list[Any]) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _pass_classes() -> tuple[type, type]:
-    from torch._inductor.scheduler import NopKernelSchedulerNode
-
-    from remat.compat import scheduler_pass_base
+    from remat.compat import NopKernelSchedulerNode, scheduler_pass_base
 
     class _Shared(scheduler_pass_base()):
         """Deep-copied as itself and pickled as its uuid (torch copies and pickles
@@ -215,7 +212,7 @@ def _pass_classes() -> tuple[type, type]:
             self.stop = stop
 
         def __call__(self, nodes: list[Any]) -> list[Any]:
-            from torch._inductor.virtualized import V
+            from remat.compat import V
 
             before, self.before.pending_bytes = self.before.pending_bytes, None
             if nodes and before is not None:

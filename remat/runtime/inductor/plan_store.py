@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def _directory() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from remat.compat import inductor_cache_dir
 
-    return Path(cache_dir()) / "remat_plans"
+    return Path(inductor_cache_dir()) / "remat_plans"
 
 
 def _describe(value: Any) -> str:

@@ -34,8 +34,9 @@ def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
     (their `MultiOutputLine`s follow the call, interleaved with frees of its inputs,
     which come later in fact: on LLaMA tiny's attention backward the walk without them
     read 155,552 B under the profiler). 0 for any other line."""
-    from torch._inductor.codegen import wrapper as w
     from torch.utils._pytree import tree_leaves
+
+    from remat.compat import inductor_wrapper as w
 
     if not isinstance(line, (w.ExternKernelAllocLine, w.ExternKernelOutLine)):
         return 0
@@ -49,7 +50,7 @@ def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
 
 def _multi_output_bytes(name: str) -> int:
     """Bytes of one output of a kernel returning several (none where it aliases an input)."""
-    from torch._inductor.virtualized import V
+    from remat.compat import V
 
     buffer = V.graph.try_get_buffer(name)
     return _buffer_bytes(buffer) if buffer is not None and not buffer.get_inputs_that_alias_output() else 0
@@ -59,8 +60,8 @@ def _buffer_bytes(node: Any) -> int:
     """Bytes a buffer owns: none for a view of another (`NonOwningLayout`), a write into
     another (`MutationLayoutSHOULDREMOVE`), or a kernel's tuple of outputs (each output
     is a buffer of its own)."""
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
+    from remat.compat import V
+    from remat.compat import inductor_ir as ir
 
     layout = node.get_output_spec()
     if not isinstance(layout, ir.Layout) or isinstance(layout, (ir.NonOwningLayout, ir.MutationLayoutSHOULDREMOVE)):
@@ -72,7 +73,7 @@ def _buffer_bytes(node: Any) -> int:
 def _allocated_bytes(line: Any) -> int:
     """What one wrapper line allocates: a planned allocation, or a buffer an extern
     kernel returns (a fallback op's result, one of its tuple's outputs)."""
-    from torch._inductor.codegen import wrapper as w
+    from remat.compat import inductor_wrapper as w
 
     if isinstance(line, (w.AllocateLine, w.ExternKernelAllocLine)):
         return _buffer_bytes(line.node)
@@ -92,8 +93,8 @@ def generated_bytes(counted: dict[str, Any], sizes: dict[str, int] | None = None
     does not (a saved value the forward's code returns in a buffer of its own).
     `workspace` (FX name -> bytes): an extern kernel's scratch, live while it runs
     (`_in_call_bytes`)."""
-    from torch._inductor.codegen import wrapper as w
-    from torch._inductor.virtualized import V
+    from remat.compat import V
+    from remat.compat import inductor_wrapper as w
 
     graph = V.graph
     sizes = sizes or {}
@@ -131,7 +132,7 @@ def output_storages() -> list[tuple[str, int, bool, tuple[int, ...] | None] | No
     a buffer of its own, dense, when it realized the view for a kernel anyway (LLaMA's
     `repeat_kv` before attention), and a saved input in a copy of its own (a convolution's
     weight and input, converted to channels-last for its kernel)."""
-    from torch._inductor.virtualized import V
+    from remat.compat import V
 
     out: list[tuple[str, int, bool, tuple[int, ...] | None] | None] = []
     for r in V.graph.graph_outputs:
@@ -148,7 +149,7 @@ def output_storages() -> list[tuple[str, int, bool, tuple[int, ...] | None] | No
 
 def _stride(node: Any) -> tuple[int, ...] | None:
     """The strides inductor gives an output (by hint), or None where it has none."""
-    from torch._inductor.virtualized import V
+    from remat.compat import V
 
     try:
         return tuple(int(V.graph.sizevars.optimization_hint(s, fallback=4096)) for s in node.get_stride())

@@ -40,17 +40,14 @@ rest it counts as living until the end of the backward.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from remat.compat import fsdp_param_groups
+from remat.compat import fsdp_param_groups, fsdp_state_refs
 from remat.runtime.step.storages import key as _key
-
-_FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,16 +67,15 @@ class FsdpState:
 
     def discover(self, args: Sequence[Any]) -> None:
         """Find the model's FSDP2 states from a graph call's arguments (once)."""
-        if self.found or _FSDP_STATE_MODULE not in sys.modules:
+        if self.found:
             return
-        from torch.distributed._composable_state import _module_state_mapping
-
-        if not _module_state_mapping:  # loaded (torch.compile imports it) but no model sharded
+        refs = fsdp_state_refs()
+        if not refs:  # FSDP2 not loaded, or loaded (torch.compile imports it) but no model sharded
             return
         keys = {_key(a) for a in args if isinstance(a, torch.nn.Parameter)}
         if not keys:
             return
-        for ref in list(_module_state_mapping.values()):
+        for ref in refs:
             state = ref()
             groups = fsdp_param_groups(state)
             if not groups or not any(_key(p._unsharded_param) in keys for g in groups

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses import FakeTensor
 
 from remat.budget import format_bytes
+from remat.compat import FakeTensor
 from remat.errors import InfeasibleBudgetError
 from remat.runtime import dropped
 from remat.runtime.step import split

@@ -21,9 +21,11 @@ import weakref
 
 import torch
 
-expired = torch.UntypedStorage._expired
+from remat.compat import storage_expired, storage_free_weak_ref
+
+expired = storage_expired
 """expired(key) -> bool: whether a held key's storage died (a C call, no Python frame)."""
-_free_weak_ref = torch.UntypedStorage._free_weak_ref
+_free_weak_ref = storage_free_weak_ref
 
 
 def key(t: torch.Tensor) -> int:
