@@ -94,7 +94,9 @@ same in 2.11–2.14 and used by torch's own public APIs as if public; torch has 
 `torch.utils.pytree` in these versions), private attributes read on objects torch hands
 remat (`storage._cdata`, `storage._weak_ref()` in the step ledger's hot loop,
 `module._parameters`, `op._schema`, FSDP2's `FSDPParam` fields, read with `getattr`
-defaults where a version may lack them) and `torch.ops.*` operator names.
+defaults where a version may lack them; inductor's objects reached through `V`, such as
+`V.graph.sizevars.optimization_hint`, the same in 2.11–2.14) and `torch.ops.*` operator
+names.
 """
 
 from __future__ import annotations
@@ -250,10 +252,11 @@ _PRIVATE: dict[str, tuple[str, str]] = {
 }
 
 
-def _unsupported(feature: str, api: str) -> UnsupportedTorchError:
+def _unsupported(feature: str, api: str, cause: BaseException | None = None) -> UnsupportedTorchError:
+    found = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
     return UnsupportedTorchError(
-        f"{feature} needs torch's `{api}`, which torch {torch.__version__} does not have "
-        f"({_ALWAYS}): install torch 2.11 to 2.14 to use it")
+        f"{feature} needs torch's `{api}`, which torch {torch.__version__} does not have{found}; "
+        f"{_ALWAYS}: install one of them to use it")
 
 
 def __getattr__(name: str) -> Any:
@@ -267,7 +270,7 @@ def __getattr__(name: str) -> Any:
         for attribute in path.split(".") if path else ():
             value = getattr(value, attribute)
     except (ImportError, AttributeError) as e:
-        raise _unsupported(feature, api.replace(":", ".").rstrip(".")) from e
+        raise _unsupported(feature, api.replace(":", ".").rstrip("."), e) from e
     globals()[name] = value
     return value
 
