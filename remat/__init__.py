@@ -14,6 +14,7 @@ from remat.errors import (
     TraceError,
     UnknownSolverError,
     UnsupportedGraphError,
+    UnsupportedTorchError,
 )
 from remat.runtime.backend import RematBackend, backend
 
@@ -28,6 +29,7 @@ __all__ = [
     "backend",
     "UnknownSolverError",
     "UnsupportedGraphError",
+    "UnsupportedTorchError",
     "plan",
     "resolve_budget",
 ]
