@@ -7,8 +7,9 @@ budget asked for (Whisper tiny read 3,319,048 B from a 60% budget and 3,441,672 
 1-byte one, and a new process planning at the smaller figure was refused). So every
 refusal of one graph states the same floor, in any process, and planning at it succeeds.
 Floor plans found in this process are remembered per graph and search options: the next
-refusal reuses the search, and the next solve of the same graph (the user re-planning
-at the reported floor) is warm-started with it (`hint`).
+refusal and the report's Pareto sweep (`least_peak`) reuse the search, and the next
+solve of the same graph (the user re-planning at the reported floor) is warm-started
+with it (`hint`).
 
 With `schedules` (the eager runtime's default), a budget no canonical plan fits is then
 tried with the plans that recompute a value more than once (`solvers.floor.
@@ -60,14 +61,7 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     else `failed` and the error stating the floor and its plan."""
     started_s = time.perf_counter()
     problem = gp.problem
-    limit = options.get("time_limit_s") or FLOOR_TIME_LIMIT_S
-    key = (problem.with_budget(0), float(limit), int(options.get("seed", 0)))
-    if key not in _FLOOR_PLANS:
-        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2])
-        _remember(key, finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
-                              started_s=started_s))
-    _FLOOR_PLANS.move_to_end(key)
-    floor_plan = _FLOOR_PLANS[key]
+    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)))
     if floor_plan.peak_bytes <= problem.budget_bytes:
         if takes_hint(solver):
             plan = solve(problem, solver, **{**options, "hint": floor_plan.decisions})
@@ -83,7 +77,7 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
             return dataclasses.replace(best, solver=f"{solver}+scheduled"), None
         least = min(scheduled, key=lambda p: (p.peak_bytes, p.objective_s), default=None)
         if least is not None and least.peak_bytes < floor_plan.peak_bytes:
-            floor_plan = finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
+            floor_plan = finish(problem.with_budget(least.peak_bytes), least.decisions, "floor",
                                 started_s=started_s, schedule=least.schedule)
     reach = floor_plan.peak_bytes
     error = InfeasibleBudgetError(
@@ -94,6 +88,22 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
         budget_bytes=problem.budget_bytes, min_peak_bytes=reach, min_peak_plan=floor_plan,
     )
     return failed, error
+
+
+def least_peak(problem: Problem, *, time_limit_s: float | None = None, seed: int = 0) -> Plan:
+    """`solvers.floor.least_peak_plan(problem)` (time_limit_s None: FLOOR_TIME_LIMIT_S),
+    searched once per graph and options in this process: a refusal, the re-plan at the
+    floor and the report's Pareto sweep of one model share one search (on LLaMA-7B's
+    32 layers, each search is seconds of ILP)."""
+    started_s = time.perf_counter()
+    limit = time_limit_s or FLOOR_TIME_LIMIT_S
+    key = (problem.with_budget(0), float(limit), int(seed))
+    if key not in _FLOOR_PLANS:
+        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2])
+        _remember(key, finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
+                              started_s=started_s))
+    _FLOOR_PLANS.move_to_end(key)
+    return _FLOOR_PLANS[key]
 
 
 def _remembered(problem: Problem) -> Plan | None:

@@ -98,8 +98,8 @@ def solve_auto(problem: Problem, options: Options) -> Plan:
         passed = {"seed": opts.seed, "workers": opts.workers, "time_limit_s": limit}
         if name == "ilp" and opts.hint is not None:
             passed["hint"] = opts.hint
-        if name == "layers":
-            passed["max_block_configs"] = opts.layers_max_block_configs
+        if name == "layers":  # its least peak would be dropped below: not searched
+            passed.update(max_block_configs=opts.layers_max_block_configs, least_peak=False)
         try:
             plan = SOLVERS[name].run(problem, make_options(name, **passed))
         except UnsupportedProblem as error:

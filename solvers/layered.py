@@ -66,6 +66,13 @@ class LayersOptions(DPOptions):
     per process (and then on disk) for every depth and budget. `auto` passes
     AutoOptions.layers_max_block_configs (the same 2^17 since session 27)."""
 
+    least_peak: bool = True
+    """When no plan of the space fits the budget: search the space's least peak and
+    return it INFEASIBLE (True), or decline with UnsupportedProblem (False). `auto`
+    passes False: it drops an infeasible `layers` plan (its least peak is over the
+    narrower space) and moves on, and on a deep stack that search is the costliest part
+    of the solve (LLaMA-7B's 32 layers: minutes and gigabytes of fronts)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reduced:
@@ -155,10 +162,15 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
     # reading a causal mask then shares the other layers' table (GPT-2: one
     # 57,600-configuration table less to build), and LLaMA's layer 0, where rotary
     # tables read in every backward die, shares the conservative model's table.
-    optimistic, conservative = (_Model(problem, fold_views(problem, k), kept, limit, clock, early)
-                                for k, early in ((frozenset(), True), (kept, False)))
+    # Both models' tables are charged before any answer, so the limit decides on the
+    # space as a whole; only a refusal (nothing fits, no least peak asked for) skips
+    # the conservative model.
+    optimistic = _Model(problem, fold_views(problem, frozenset()), kept, limit, clock, True)
     budget = problem.budget_bytes
     low = optimistic.cheapest(budget)
+    if low is None and not getattr(options, "least_peak", True):  # the lower bound does not fit
+        raise UnsupportedProblem(f"layers: no plan of its space fits {budget} bytes", work_s=clock.spent_s)
+    conservative = _Model(problem, fold_views(problem, kept), kept, limit, clock, False)
     if low is not None:
         decisions, cost = optimistic.decisions(low)
         ev = evaluate(problem, decisions)
@@ -169,6 +181,8 @@ def solve_layers(problem: Problem, options: DPOptions) -> Plan:
             return finish(problem, decisions, "layers", started_s=started, optimal=True,
                           lower_bound_s=ev.cost_s, work_s=clock.spent_s)
     found = conservative.cheapest(budget)
+    if found is None and not getattr(options, "least_peak", True):
+        raise UnsupportedProblem(f"layers: no plan of its space fits {budget} bytes", work_s=clock.spent_s)
     if found is None:  # nothing fits: the least peak, then the cheapest plan at that peak
         found = conservative.least_peak(budget)
     decisions, cost = conservative.decisions(found)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from remat.floor import least_peak
 from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
-from solvers.floor import least_peak_plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,8 +29,9 @@ class ParetoPoint:
 
 def min_peak_bytes(problem: Problem) -> tuple[int, Plan]:
     """The smallest peak found and its plan: `solvers.floor.least_peak_plan`, the floor
-    the planner reports when it refuses a budget (deterministic)."""
-    plan = least_peak_plan(problem)
+    the planner reports when it refuses a budget (deterministic; the planner's own
+    search of this graph when it made one, `remat.floor.least_peak`)."""
+    plan = least_peak(problem)
     return plan.peak_bytes, plan
 
 
