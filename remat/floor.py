@@ -32,7 +32,7 @@ from remat.frontend.offloading import offload_hint
 from remat.frontend.problem import GraphProblem
 from solvers import SOLVERS, Plan, Problem, Status, solve
 from solvers.base import finish
-from solvers.floor import FLOOR_TIME_LIMIT_S, least_peak_plan, scheduled_plans
+from solvers.floor import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_lower_bound, scheduled_plans
 
 _REMEMBERED = 16
 """Graphs whose floor plan is remembered (most recent first out)."""
@@ -51,6 +51,17 @@ def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> 
     if remembered is not None and takes_hint(solver) and "hint" not in options:
         options = {**options, "hint": remembered.decisions}
     return solve(problem, solver, **options)
+
+
+def refused_without_solving(problem: Problem, solver: str, options: dict[str, Any]) -> Plan | None:
+    """For a budget below `solvers.floor.peak_lower_bound` (bytes live at the end of every
+    plan): the floor plan, INFEASIBLE at this budget, as the failed solve's answer,
+    without the solve (no plan can fit, and `at_the_floor` answers from the floor plan
+    alone); else None."""
+    if problem.budget_bytes >= peak_lower_bound(problem):
+        return None
+    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)))
+    return dataclasses.replace(floor_plan, status=Status.INFEASIBLE, solver=solver, lower_bound_s=None)
 
 
 def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[str, Any],

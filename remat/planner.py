@@ -15,7 +15,7 @@ from torch import fx
 from remat import distributed
 from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
-from remat.floor import at_the_floor, solve_with_floor
+from remat.floor import at_the_floor, refused_without_solving, solve_with_floor
 from remat.frontend import costs
 from remat.frontend.layers import layer_structure
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
@@ -170,7 +170,10 @@ class Partitioner:
         t_profiled = time.perf_counter()
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
                   extra={STAGE: "solve"})
-        plan = self._solve(gp.problem, options)
+        # below the bytes every plan holds at its end: refused from the floor search alone
+        plan = None if self.best_effort else refused_without_solving(gp.problem, self.solver, options)
+        if plan is None:
+            plan = self._solve(gp.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE and self.best_effort:
             plan = lowest_found(gp.problem, plan)

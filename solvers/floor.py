@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from solvers.base import finish
-from solvers.problem import Decision, Plan, Problem, decisions_all
+from solvers.problem import Decision, Phase, Plan, Problem, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, solve
 from solvers.schedules import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
 from solvers.simulate import PlanError, evaluate
@@ -48,6 +48,19 @@ def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME
             best = dict(found.decisions)
     floor = evaluate(zero, best).peak_bytes
     return finish(problem.with_budget(floor), best, "floor", started_s=started)
+
+
+def peak_lower_bound(problem: Problem) -> int:
+    """Bytes live at the last step of every plan, canonical or scheduled: the parameters
+    and inputs, and the storage of every output (each lives to the end of the step, so
+    at the last step some instance of it is live; one storage counted once). A budget
+    below it fits no plan: nothing needs solving to refuse it (LLaMA-7B at fp32: the
+    weights and their gradients alone are 50 GiB)."""
+    nodes, root = problem.nodes, problem.storage_of
+    fixed = (Phase.PARAM, Phase.INPUT)
+    initial = sum(node.out_bytes for node in nodes if node.phase in fixed)
+    outputs = {root[i] for i in problem.outputs if nodes[root[i]].phase not in fixed}
+    return initial + sum(nodes[s].out_bytes for s in outputs)
 
 
 def scheduled_plans(problem: Problem, best) -> list[Plan]:

@@ -219,6 +219,23 @@ def test_a_budget_below_the_floor_is_answered_with_the_floors_report_and_exit_1(
     assert data["min_peak_bytes"] <= data["budget_bytes"] and data["pareto"] and data["breakdown"]
 
 
+def test_a_report_below_the_floor_searches_the_floor_once(user_file, tmp_path, monkeypatch):
+    """The refusal, the re-plan at the floor and the Pareto sweep share one floor search
+    (`remat.floor.least_peak`): on LLaMA-7B's 32 layers each search is seconds of ILP."""
+    from collections import OrderedDict
+
+    from remat import floor
+
+    searches = []
+    search = floor.least_peak_plan
+    monkeypatch.setattr(floor, "_FLOOR_PLANS", OrderedDict())  # nothing remembered from other tests
+    monkeypatch.setattr(floor, "least_peak_plan", lambda *a, **k: searches.append(a) or search(*a, **k))
+    argv = ["report", f"{user_file}:build", "--budget", "1KB", "--out", str(tmp_path), "--quiet",
+            "--pareto-points", "3"]
+    assert cli.main(argv) == 1
+    assert len(searches) == 1
+
+
 def test_fit_refuses_a_percentage_budget(user_file, capsys):
     assert cli.main(["fit", f"{user_file}:build", "--budget", "50%", "--vary", "batch_size", "-q"]) == 2
     assert "absolute budget" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from remat import floor as remat_floor
 from remat import zoo
 from remat.errors import InfeasibleBudgetError
 from solvers import Status, builders, simulate, solve
-from solvers.floor import least_peak_plan
+from solvers.floor import least_peak_plan, peak_lower_bound, scheduled_plans
 from strategies import problems
 
 
@@ -22,6 +22,38 @@ def test_floor_is_brutes_least_peak_on_small_problems(problem):
     plan = least_peak_plan(problem)
     assert plan.peak_bytes == solve(problem.with_budget(0), "brute").peak_bytes
     assert simulate(problem.with_budget(plan.peak_bytes), plan).fits
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_forward=7))
+def test_no_plan_peaks_below_the_lower_bound(problem):
+    """`peak_lower_bound` (parameters, inputs and outputs, live at the last step of
+    every plan) is at most brute's least peak and the floor of the scheduled plans."""
+    bound = peak_lower_bound(problem)
+    assert bound <= solve(problem.with_budget(0), "brute").peak_bytes
+    assert all(bound <= plan.peak_bytes for plan in scheduled_plans(problem, least_peak_plan(problem).decisions))
+
+
+def test_a_budget_below_the_lower_bound_is_refused_without_a_solve(monkeypatch):
+    """The planner answers such a budget from the floor search alone: no solve at the
+    budget asked for, and the same floor as a budget above the bound but below the floor."""
+    from remat import planner
+
+    case = _case()
+    solves, bounds = [], []
+    solve_at, refused = planner.Partitioner._solve, planner.refused_without_solving
+    monkeypatch.setattr(planner.Partitioner, "_solve", lambda self, problem, options: solves.append(
+        problem.budget_bytes) or solve_at(self, problem, options))
+    monkeypatch.setattr(planner, "refused_without_solving", lambda problem, *a: bounds.append(
+        peak_lower_bound(problem)) or refused(problem, *a))
+    with pytest.raises(InfeasibleBudgetError) as below:
+        remat.plan(case.model, case.args, case.kwargs, budget=1, **LIMIT)
+    assert solves == []
+    floor, bound = below.value.min_peak_bytes, bounds[0]
+    assert bound < floor  # gpt2 tiny: activations above the weights, gradients and logits
+    with pytest.raises(InfeasibleBudgetError) as between:
+        remat.plan(case.model, case.args, case.kwargs, budget=bound, **LIMIT)
+    assert solves == [bound] and between.value.min_peak_bytes == floor
 
 
 def test_floor_does_not_depend_on_the_budget_and_plans_at_itself():
