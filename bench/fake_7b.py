@@ -8,7 +8,8 @@ The model (transformers' LlamaConfig: hidden 4096, intermediate 11008, 32 heads,
 The report runs in a fresh process, as a user runs it; its peak RSS is that process's
 (`ru_maxrss` of the child). The stage columns are the CLI's own stages
 (`remat.progress.Stages.log`); trace, profile, solve and rewrite split the planning stage
-(the report's `planning_s`).
+(`Stages.planner_log`, summed over both plans when the budget is refused and the report
+is planned again at the floor).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ RUN = textwrap.dedent('''
     else:
         code = cli.main(argv)
     with open(out, "w") as f:
-        json.dump([list(s.log) for s in made], f)
+        json.dump([[list(s.log), list(s.planner_log)] for s in made], f)
     sys.exit(code)
 ''')
 
@@ -91,9 +92,10 @@ def run(layers: int, budget: str, solver: str, points: int, profile: str | None,
         rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         if profile:
             stages_file = profile[:-5] + ".stages.json"
-        (log,) = json.loads(Path(stages_file).read_text())
+        ((log, planner_log),) = json.loads(Path(stages_file).read_text())
         report = json.loads((tmp / "report" / "report.json").read_text())
-    return {"layers": layers, "stages": dict(log), "planning": report["planning_s"], "total_s": total_s,
+    planning = {stage: sum(s for name, s in planner_log if name == stage) for stage in PLANNING}
+    return {"layers": layers, "stages": dict(log), "planning": planning, "total_s": total_s,
             "rss_bytes": rss_bytes, "status": report["status"], "pareto": len(report["pareto"]),
             "predicted_peak_bytes": report["predicted_peak_bytes"], "min_peak_bytes": report["min_peak_bytes"]}
 

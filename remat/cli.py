@@ -144,6 +144,7 @@ def _call(tgt, factory, target: str, sets: dict[str, Any]):
 
 def _cmd_report(opts: argparse.Namespace) -> int:
     import remat
+    from remat import planner
     from remat import target as tgt
     from remat.progress import Stages
     from remat.report import html, plots, text, to_json
@@ -163,6 +164,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     refused = None
     with stages.planning(opts.verbose):
         def plan(budget: int | str) -> Any:
+            planner.log.debug("remat: tracing the training step", extra={planner.STAGE: "trace"})
             return remat.plan(built.model, built.args, built.kwargs, budget=budget, solver=opts.solver,
                               device_speed=speed, offload=_OFFLOAD[opts.offload], outputs=opts.outputs)
 

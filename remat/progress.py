@@ -24,6 +24,10 @@ class Stages:
         """(stage, seconds) for every finished stage."""
         self.planner_stages: tuple[str, ...] = ()
         """The planner stages the last `planning()` saw, in order."""
+        self.planner_log: list[tuple[str, float]] = []
+        """(planner stage, seconds) for each planner stage of the last `planning()`, in
+        order (a refused budget planned again at the floor shows each stage twice); the
+        bar shows them beside the stage that runs."""
 
     @contextlib.contextmanager
     def stage(self, description: str) -> Iterator[Callable[[int, int], None]]:
@@ -47,14 +51,22 @@ class Stages:
         with self.stage("tracing") as advance:
             display = getattr(advance, "__self__", None)
             seen: list[str] = []
+            current = ["trace", time.perf_counter()]  # the stage that runs, since when
+            self.planner_log = []
 
             def on_record(record: logging.LogRecord) -> bool:
                 stage = getattr(record, STAGE, None)
                 if stage is None:
                     return True
                 seen.append(stage)
+                now = time.perf_counter()
+                if stage != current[0]:  # a stage ends where the next begins
+                    self.planner_log.append((current[0], now - current[1]))
+                    current[:] = [stage, now]
                 if display is not None:
-                    display.describe(record.getMessage().removeprefix("remat: "))
+                    done = ", ".join(f"{name} {s:.1f} s" for name, s in self.planner_log)
+                    text = record.getMessage().removeprefix("remat: ")
+                    display.describe(f"{text} ({done})" if done else text)
                 return verbose
 
             level = log.level
@@ -66,6 +78,7 @@ class Stages:
                 log.removeFilter(on_record)
                 log.setLevel(level)
                 self.planner_stages = tuple(seen)
+                self.planner_log.append((current[0], time.perf_counter() - current[1]))
 
 
 def _has_rich() -> bool:
