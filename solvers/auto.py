@@ -48,8 +48,8 @@ class AutoOptions(Options):
     layers_max_block_configs: int = 1 << 17
     """max_block_configs given to `layers` (its own default): admits the traced GPT-2
     and LLaMA attention blocks (57,600 and 95,040 configurations), whose tables build
-    cold in about 2.5 and 6 CPU s (bench/depth.py --solve-only, session 27) and charge
-    about 2.9 and 5.3 nominal s (TABLE_STEPS_PER_S), inside default_time_limit_s."""
+    cold inside default_time_limit_s at TABLE_STEPS_PER_S (bench/README.md, "The
+    tables' clock", from `bench/depth.py --solve-only`)."""
     hint: Mapping[int, Decision] | Plan | None = None
     """A plan to start from (passed to `ilp` as its warm start); the returned plan is
     never worse than it: it fits if the hint does, and costs no more (or, when nothing

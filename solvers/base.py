@@ -28,38 +28,32 @@ class Options:
 WORK_STEPS_PER_S = 500_000
 """Rate of the deterministic clock for the Python searches: this many simulated steps
 (or evaluated block configurations times their size, in dp) count as one second.
-Measured: `simulate` runs ~280,000 steps/s of a random_dag(400) on this 2-core machine
-under the load of six parallel sessions, and ~1e6 unloaded; CP-SAT's own deterministic
-time (`max_deterministic_time`) is charged as it reports it."""
+`simulate` runs about 1e6 steps/s of a random_dag(400) on one idle core, fewer under
+load; CP-SAT's own deterministic time (`max_deterministic_time`) is charged as it
+reports it."""
 
 
 TABLE_STEPS_PER_S = 4_000_000
 """Rate of the deterministic clock for dp's block tables (solvers/dp/tables.py): this many
 charged table steps (a block's configurations times its values times the contexts of
 a_{b-1}, charged each time a solve uses a table, built or cached) count as one second.
-Measured cold (`layers`, max_block_configs 2^17, no table cache) on an idle machine of
-this 2-core kind (2026-11-27, session 27; bench/README.md, "The tables' clock"): charged
-steps per CPU second of `block_tables` 4.4-5.0e6 on GPT-2-12/48 (bench/depth.py) and on
-GPT-2 at bench size (bench/compare.py's, compiled-traffic), 3.5e6 on LLaMA-32. A charged
-step is less than a step of work: a cold solve builds each attention table once for
-the several uses it charges (layer 0's table comes in the same pass, and `layers`' two
-models share the tables). At WORK_STEPS_PER_S, the rate before two rounds of table
-speed-ups, GPT-2-12's tables charged 23.2 nominal s for 2.5 CPU s and LLaMA-32's 42.6
-for 6.0: over auto's default 10 s limit, so `auto` skipped `layers` there."""
+A cold `layers` solve builds about 3.5-5e6 charged steps per CPU second of
+`block_tables` on the bench's GPT-2 and LLaMA graphs (bench/README.md, "The tables'
+clock"), so a nominal second is about a second of one core. A charged step is less than
+a step of work: a cold solve builds each attention table once for the several uses it
+charges (layer 0's table comes in the same pass, and `layers`' two models share the
+tables); charged at WORK_STEPS_PER_S, those tables would overrun auto's default 10 s."""
 
 
 CPSAT_DET_PER_S = 0.5
 """CP-SAT deterministic seconds per nominal second, at most: its deterministic time runs
-slower than CPU time on these models (LP-heavy search). Measured per solve under `ilp`,
-one worker, on an idle machine of this 2-core kind (2026-11-24; bench/README.md, "ILP
-clock"): 0.34-0.78 deterministic seconds per CPU second (median 0.63) over
-random_dag(100), random_dag(300) and the GPT-2 and LLaMA bench joint graphs; 0.5 makes a
-nominal second 0.64-1.5 s of one core on those, about one on the median problem. (The
-earlier 0.2 came from 0.12-0.38 measured under the load of six parallel sessions, where
-CPU seconds stretch: it made the default 10 s limit about 3 s of an idle core.) On
-bigger models the ratio falls far lower (0.012-0.26 on bench/depth.py's graphs of 937-3,565
-decision values), so `ilp` charges a call the larger of this and a count of what CP-SAT
-reports (solvers/ilp/clock.py)."""
+slower than CPU time on these models (LP-heavy search). 0.5 is below the median ratio
+(0.63 deterministic seconds per CPU second, one worker, idle core) over the bench's
+random DAGs and GPT-2 and LLaMA joint graphs, so a nominal second is about one second of
+a core on the median problem (bench/README.md, "The ILP's clock"). On bigger models the
+ratio falls far lower (bench/README.md, "The ILP's clock on deep graphs"), so `ilp`
+charges a call the larger of this and a count of what CP-SAT reports
+(solvers/ilp/clock.py)."""
 
 
 class WorkClock:

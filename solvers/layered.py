@@ -62,9 +62,9 @@ class LayersOptions(DPOptions):
     replay have attention blocks of 57,600 (GPT-2) and 95,040 (LLaMA) configurations
     after dp's exact pruning (of which dp's exact skips leave 11,208 and 24,960 to
     replay): one pass over such a block (layer 0's table comes with the others',
-    dp/tables.py) takes about 2 (GPT-2) and 5 (LLaMA) CPU s cold on one core, once
-    per process (and then on disk) for every depth and budget. `auto` passes
-    AutoOptions.layers_max_block_configs (the same 2^17 since session 27)."""
+    dp/tables.py) takes a few CPU s cold on one core, once per process (and then on
+    disk) for every depth and budget (bench/README.md, "The tables' clock"). `auto`
+    passes AutoOptions.layers_max_block_configs (the same 2^17)."""
 
     least_peak: bool = True
     """When no plan of the space fits the budget: search the space's least peak and

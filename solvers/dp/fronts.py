@@ -295,7 +295,7 @@ def _extend(front: _Front, menu: Menu, offsets: tuple[int, int], budget: int,
             min_peak: bool, cut=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (option, entry) pair that fits: new rows, parent ids, option and key indices.
     `cut(key, cost, K)` (the bound test) drops pairs before their rows are built (most
-    pairs fail it: building them all was most of the search's time)."""
+    pairs fail it: building them all would be most of the search's time)."""
     x = front.x
     n_opt, n = len(menu.cost), len(x)
     passed = np.ones((n_opt, n), bool)

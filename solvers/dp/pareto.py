@@ -52,7 +52,7 @@ def _pareto_2d(x: np.ndarray, order_by: np.ndarray) -> np.ndarray:
 
 def _covers(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(len(b), len(a)): row j of `a` weakly dominates row i of `b`. Column by column
-    (an all() over a last axis of 5 was most of the search's Pareto time)."""
+    (an all() over a last axis of 5 would be most of the search's Pareto time)."""
     out = a[None, :, 0] <= b[:, None, 0]
     for c in range(1, a.shape[1]):
         out &= a[None, :, c] <= b[:, None, c]
@@ -85,7 +85,7 @@ def beam_front(x: np.ndarray, score: np.ndarray, beam: int) -> np.ndarray:
     pareto's order. Without building the front: rows are scanned by (score, x, index),
     an order in which every row that weakly dominates another comes first, so a row is
     on the front iff no earlier row on it dominates it, and the scan stops once more
-    than `beam` rows are found (dp's beam runs: 80% of their time was the full front).
+    than `beam` rows are found (building the full front would be most of a beam run's time).
     The rows of the lowest scores are sorted first (every row scoring at most the
     cutoff: a prefix of the full order); the rest only if the front is not found there."""
     rows = np.arange(len(x))

@@ -272,7 +272,7 @@ def _prune_vectors(vecs: list[tuple[float, ...]]) -> list[int]:
     """Indices of the vectors kept, in increasing (stable) order of the vectors: each is
     kept unless an earlier one weakly dominates it (so of equal vectors the first).
     fronts.pareto computes exactly that set (only an equal vector can weakly dominate an
-    earlier one; of equal rows it keeps the first in that order); a pairwise loop took
+    earlier one; of equal rows it keeps the first in that order); a pairwise loop costs
     ~10% of table building (GPT-2's attention groups keep thousands of options).
     Vectors are ints below 2**53 and floats, exact in float64."""
     order = sorted(range(len(vecs)), key=vecs.__getitem__)

@@ -4,9 +4,9 @@ CP-SAT's own deterministic time undercounts its work on big models: on the deep
 transformer joint graphs of bench/depth.py (GPT-2 with 12-48 layers, LLaMA with 32;
 937-3,565 decision values) one deterministic second took 4-7 CPU seconds of the rows
 model and 25-85 of the full model (its Cumulative over 1,080-4,104 intervals), where
-`base.CPSAT_DET_PER_S` assumes 2 (measured on graphs of 100-340 values). So `ilp` with
-its default 10 s limit took 12-78 CPU s a row there (bench/README.md, "The ILP's clock
-on deep graphs"). Counting what CP-SAT reports instead (one worker: deterministic
+`base.CPSAT_DET_PER_S` assumes 2 (measured on graphs of 100-340 values). Charged by
+deterministic time alone, `ilp`'s default 10 s limit would take 12-78 CPU s a row there
+(bench/README.md, "The ILP's clock on deep graphs"). Counting what CP-SAT reports instead (one worker: deterministic
 counts) matches each call's CPU time within 1.5x on those graphs:
 
   cost = constraints / CONSTRAINTS_PER_S                       (presolve and loading)
@@ -15,7 +15,7 @@ counts) matches each call's CPU time within 1.5x on those graphs:
 
 charged as the larger of that and the deterministic time at CPSAT_DET_PER_S (on the
 small graphs the deterministic time is usually the larger: on random_dag(40-300) and the
-zoo's tiny GPT-2, LLaMA and ViT their plans stayed the same). Each call's deterministic
+zoo's tiny GPT-2, LLaMA and ViT their plans are the same under either charge). Each call's deterministic
 limit converts the nominal seconds left at a ratio from the model's size, or lower where
 the model's earlier calls showed less deterministic time per charged second, so a solve
 stops near its limit; a call whose fixed cost the time left cannot pay for is not made.
@@ -75,12 +75,10 @@ def call_cost_s(model, response) -> float:
 PRIOR_CONSTRAINTS = 16_000
 PRIOR_INTERVALS = 212
 """The first call on a model assumes CPSAT_DET_PER_S / (1 + constraints / 16,000 +
-(intervals / 212) ** 1.5) deterministic seconds per nominal second. On the depth graphs'
-rows models (18,911, 35,838 and 52,530 constraints; GPT-2-12, GPT-2-24, LLaMA-32) that is
-0.23, 0.15 and 0.12 where their calls showed 0.13-0.26, 0.12-0.15 and 0.14-0.17; on their
-full models (1,080, 2,088 and 2,642 intervals) 0.037, 0.014 and 0.010 where they showed
-0.04, 0.015-0.018 and 0.023-0.031; on BERT tiny's (zoo, 174 values) 0.22 where it showed
-0.27-0.28. A prior too low only ends the first call early: `ilp` calls again at the
+(intervals / 212) ** 1.5) deterministic seconds per nominal second: within 2x of the
+ratio the calls show on the depth graphs' rows models, about 3x low at most on their
+full models, a little low on BERT tiny's (bench/README.md, "The ILP's clock on deep
+graphs"). A prior too low only ends the first call early: `ilp` calls again at the
 ratio it showed."""
 
 

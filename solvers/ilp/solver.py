@@ -22,18 +22,17 @@ that a chain of recomputations of any depth brought back by its step, and saved 
 a later recomputation still reads (both through exact "brought back by t" literals); on
 chains it equals simulate's live bytes at every node step. Each optimum is a valid
 bound; one that fits is an optimal plan. This is what certifies transformer joint
-graphs: GPT-2 small (774 nodes, 340 values), 10 s limit, one worker: OPTIMAL in 5.1 s
-at 50% and 5.3 s at 70% of the no-remat peak (previous rows without the chains: gaps of
-19.6% and 15.5%; before row generation: 90.6% and 100%).
+graphs: GPT-2 small (774 nodes, 340 values), 10 s limit, one worker: OPTIMAL in about
+5 s at 50% and 70% of the no-remat peak (bench/README.md, "Solvers on the zoo's joint
+graphs").
 
 Why CP-SAT rather than a MIP (SCIP/CBC through pywraplp): the memory constraint is a
 cumulative of intervals whose ends are maxima of integer times, which CP-SAT propagates
 natively; a MIP needs the time-indexed form (`bench/solvers.py --backends` builds the
-same node-step model that way, for problems without views or offload). Measured on this
-2-core machine, 30 s limit, no warm start: both agree on every optimum; CP-SAT proves
-chain(60) in 0.09 s vs 5.7 s (SCIP) / 5.1 s (CBC), random_dag(40) in 0.16-0.22 s vs
-4.8-5.5 s / 8.4-9.7 s, and on random_dag(80) CP-SAT proves the 70% budget in 6.1 s while
-SCIP finds no solution in 30 s and CBC only a worse one.
+same node-step model that way, for problems without views or offload). With a 30 s
+limit and no warm start both agree on every optimum, CP-SAT proves chain(60) and
+random_dag(40) over 20x faster than SCIP or CBC, and on random_dag(80) CP-SAT proves the
+70% budget while SCIP finds no solution and CBC only a worse one.
 
 The search is warm-started from the best fitting plan of `warm_start` (dp, greedy,
 chen-greedy, within a share of the time limit); the returned plan is never worse. When
@@ -77,9 +76,8 @@ LP_LEVEL2_VALUES = 500
 ROWS_PER_ROUND = 2
 """Node steps strengthened per round of row generation (the worst overflows first).
 Fewer rows make each round's solve cheaper, so more rounds (and more repaired plans) fit
-in the limit; at 10 s on the four GPT-2 bench points that stay FEASIBLE (compiled-traffic
-and eager, at 83.31 MiB and 50%) the summed objective was 0.0319 / 0.0300 / 0.0330 /
-0.0362 / 0.0400 s for 1 / 2 / 3 / 4 / 8 rows a round (bench/README.md, "The ILP's clock")."""
+in the limit; of 1, 2, 3, 4 and 8 rows a round, 2 gives the least summed objective at
+10 s on the GPT-2 bench points that stay FEASIBLE (bench/README.md, "The ILP's clock")."""
 MIN_PEAK_SEARCH_S = 0.05
 """Least time left for the smallest-peak search to run when the budget cannot be met."""
 
@@ -104,9 +102,8 @@ class ILPOptions(Options):
     rows_share: float = 0.8
     """Share of the time left after the warm start given to row generation (the lower
     bound; on transformer joint graphs what proves a plan optimal); 0 skips it. 0.8
-    rather than 0.6: at 10 s, GPT-2 bench at 105.31 MiB (compiled-traffic) and LLaMA bench
-    at 50% became OPTIMAL (from gaps of 71% and 27%), other bench points moved by at most
-    4% of their objective either way (bench/README.md, "ILP clock")."""
+    rather than 0.6: at 10 s it proves more GPT-2 and LLaMA bench points OPTIMAL and moves
+    the others by at most 4% of their objective (bench/README.md, "The ILP's clock")."""
     least_peak_share: float = 0.3
     """When no warm-start plan fits, the share of the time left after the warm start
     kept for the smallest-peak search (so that an impossible budget still gets its
