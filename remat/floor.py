@@ -3,8 +3,8 @@ reaches it, such that planning at exactly that budget succeeds.
 
 The floor is `solvers.floor.least_peak_plan`'s (deterministic, independent of the budget):
 the failed solve's own smallest-peak plan is not a candidate, since it depends on the
-budget asked for (Whisper tiny read 3,319,048 B from a 60% budget and 3,441,672 B from a
-1-byte one, and a new process planning at the smaller figure was refused). So every
+budget asked for (Whisper tiny's differs between a 60% and a 1-byte budget, and a new
+process planning at the smaller figure would be refused). So every
 refusal of one graph states the same floor, in any process, and planning at it succeeds.
 Floor plans found in this process are remembered per graph and search options: the next
 refusal and the report's Pareto sweep (`least_peak`) reuse the search, and the next

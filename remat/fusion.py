@@ -6,7 +6,7 @@ every op writes its output anyway. Under inductor it is not: a pointwise value t
 not saved is fused into its consumers and never written, while a saved one is written
 in the forward and read back in the backward (2 x its bytes of traffic). PyTorch's
 min-cut partitioner recomputes such values for that reason, even with no memory
-pressure, and so ran at a lower peak than remat's save-everything plan at budget 100%
+pressure, and so runs at a lower peak than remat's save-everything plan at budget 100%
 (GPT-2 tiny: 8.05 MiB against 11.14 MiB, measured with the profiler).
 
 `prefer_fused_recompute` closes that gap after the solver: it turns saved pointwise

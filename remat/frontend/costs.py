@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "REMAT_CACHE_DIR"
 CACHE_FILE = "device_speed.v2.json"
-"""v2: v1 files may hold figures timed under AOTAutograd's FakeTensorMode (fake ops, about
-200x too fast); `device_speed` now always measures real kernels."""
+"""v2 keeps v1 files out: they may hold figures timed under AOTAutograd's FakeTensorMode
+(fake ops, about 200x too fast); `device_speed` always measures real kernels."""
 
 
 # --- FLOPs -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ and backward's grad_input all follow that rule, the decomposition does not.
 `eager_cpu_layouts()` swaps, while remat traces, the decomposition-table entries of the
 BatchNorm ops for ones that return the same values with eager's layout on CPU. No graph
 node changes (the op is recorded as before); only the fake value's strides, and so the
-view/reshape choices downstream, now agree with what runs. CUDA keeps torch's
+view/reshape choices downstream, agree with what runs. CUDA keeps torch's
 decomposition (its kernel does preserve the input's layout).
 """
 

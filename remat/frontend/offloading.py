@@ -69,8 +69,8 @@ def resolve_bandwidth(offload: Any, device: torch.device | None) -> float | None
 def link_bandwidth_bytes_per_s(device: torch.device) -> float:
     """Device->host copy bandwidth. On CPU the host store is one memcpy, i.e. half the
     read+written bandwidth `costs.device_speed` reports for the current thread count (read
-    each time: a figure kept from a call under another thread count made the same model's
-    plan depend on the tests that ran before it in the process); on CUDA measured once per
+    each time: a figure kept from a call under another thread count would make the same
+    model's plan depend on what ran before it in the process); on CUDA measured once per
     process and device (`_cuda_link_bandwidth_bytes_per_s`)."""
     if device.type == "cpu":
         return costs.device_speed("cpu").bandwidth_bytes_per_s / 2.0

@@ -126,8 +126,8 @@ def with_replay_workspace(problem: Problem, value_name: tuple[str, ...], replaya
                           *, joint: fx.GraphModule | None = None) -> Problem:
     """`problem` with each replayable op's workspace (`Replayable.workspace_bytes`), and
     with `joint` (measure_workspace on) also its op's own measured workspace: all of it
-    is live at once while a replay runs (T5 tiny at its floor: the allocator read
-    10,100 B over a prediction that left the mask's float copy out)."""
+    is live at once while a replay runs (T5 tiny at its floor: leaving the mask's float
+    copy out puts the allocator 10,100 B over the prediction)."""
     if not replayable.workspace_bytes:
         return problem
     inner = measured_workspace(replayable, joint) if joint is not None else {}

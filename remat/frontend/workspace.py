@@ -315,9 +315,9 @@ def _outputs_made_early(problem: Problem, fx_names: tuple[tuple[str, ...], ...],
     """Per problem id of a multi-output op (fx_names (op, first getitem)): the bytes of its
     other outputs. The op allocates them all while it runs, next to its workspace, but the
     problem makes each other output at its own (later) step; so they count as transient
-    bytes at the op's step. Measured on a ResNet's convolution_backward: grad_weight
-    (36,864 B) is allocated before the 148,864 B of scratch, and the allocator peak there
-    was 36,256 B above a prediction that left it out."""
+    bytes at the op's step. Measured on a ResNet's convolution_backward: grad_weight is
+    allocated before the scratch, so a prediction that left it out would sit 36,256 B
+    under the allocator's peak there."""
     id_of = {names[-1]: i for i, names in enumerate(fx_names) if names}
     out: dict[int, int] = {}
     for i, names in enumerate(fx_names):

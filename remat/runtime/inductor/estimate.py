@@ -15,12 +15,11 @@ where the code holds less); the backend replans with it (`closed_loop.plan_under
 and predicts remat's peak plus it. A saved value's storage is the one the forward's
 code returns it in (`output_storages`), which is not always the FX graph's.
 
-Measured (Gated test model, tests/test_inductor_budget.py): at its floor (656,408 B)
-the backward's generated code holds 574,220 B against 524,288 B op by op: margin 49,932
-B, predicted 706,340 B, profiler-measured 706,340 B. Inductor's own estimator (before vs
-after fusion, `torch._inductor.memory`, kept in the summary) said 49,156 B: it frees
-nothing in place and sees nothing of lowering's inlining (with fusion off entirely the
-step measured the same 706,340 B).
+On the Gated test model at its floor (tests/test_inductor_budget.py) the prediction
+equals the profiler's measurement. Inductor's own estimator (before vs after fusion,
+`torch._inductor.memory`, kept in the summary) is not the margin: it frees nothing in
+place and sees nothing of lowering's inlining (with fusion off entirely the step peaks
+the same).
 """
 
 from __future__ import annotations
@@ -72,12 +71,11 @@ class GraphBytes:
     def excess_bytes(self) -> int:
         """What the generated code holds beyond the graph run op by op, at their peaks;
         negative where it holds less (fusion never allocates what it inlines), which
-        lowers the prediction. Session 25 kept a deficit at 0 after LLaMA tiny under
-        "compiled" measured 131,104 B over a prediction lowered by one: 131,072 B of it
-        were the saved `repeat_kv` expands, which the forward's code returns dense
-        (`output_storages`) where the FX graph has views; the backward's walk counts
-        them now, and that step measures 32 B over (two unused 16-byte rotary buffers
-        no graph takes, which the bench registers)."""
+        lowers the prediction. That holds because the backward's walk counts each saved
+        value in the storage the forward's code returns it in (`output_storages`: LLaMA's
+        saved `repeat_kv` expands come back dense where the FX graph has views). LLaMA
+        tiny's step measures 32 B over: two unused 16-byte rotary buffers no graph takes,
+        which the bench registers."""
         return self.generated_bytes - self.op_by_op_bytes
 
 
@@ -157,8 +155,8 @@ def _example_inputs(gm: fx.GraphModule, returned: dict[str, tuple] | None = None
     (`returned`: `output_storages` by name), as the real backward gets it: inductor lowers
     against its inputs' strides. ResNet tiny, 2 threads: the forward returns the max-pool
     indices channels-last, the backward's code lowered against them allocates more
-    buffers than against the FX graph's contiguous ones, and the step measured 56,288 B
-    over its prediction (1,298,488 B); now the prediction is the measurement (1,167,416 B)."""
+    buffers than against the FX graph's contiguous ones (lowered against those, the
+    prediction falls 56,288 B under the measurement)."""
     out = []
     for n in gm.graph.find_nodes(op="placeholder"):
         val = n.meta["val"]

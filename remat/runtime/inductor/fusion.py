@@ -10,11 +10,9 @@ at tight budgets (inductor's own comment on `Scheduler.are_long_distant_nodes` n
 this case, "recomputed nodes from different checkpointed regions get fused", though
 nothing in torch 2.13 calls it).
 
-Measured, GPT-2 tiny at 5.44 MiB (47.9% of its no-remat peak), profiler events:
-- inductor's fusion: backward estimate (inductor's `memory.estimate_peak_memory`) 4.48
-  MiB before fusion, 6.03 after; the step measured 6,027,072 B, 322,819 B over budget;
-- neighbour-only fusion: estimate 4.84 MiB after fusion; measured 5,656,377 B, under the
-  budget and under remat's prediction (5,704,009 B).
+On GPT-2 tiny at 5.44 MiB (47.9% of its no-remat peak), by the profiler's events, the
+step under inductor's fusion peaks 322,819 B over the budget; under neighbour-only fusion
+it stays under the budget and under remat's prediction.
 
 The rules (`FUSION_MODES`):
 - `neighbours`: two scheduler nodes fuse only when nothing that allocates runs between
@@ -23,13 +21,12 @@ The rules (`FUSION_MODES`):
 - `peak` (the backend's default): neighbours, and kernels further apart when moving the
   later one (and what it needs from in between) up to the first one's place keeps every
   position under the graph's own peak before fusion, by inductor's estimate
-  (`_PeakGuard`). Neighbours only cost LLaMA's forward at the bench size 5% against
-  torch.compile at a 100% budget (197.5 against 187.7 ms; inductor's own fusion: 183.1
-  against 183.5), though most of the kernels it did not join run where the forward is
-  far below its peak (its saved activations pile up to its end). With `peak`, LLaMA's
-  bench forward ends fusion with as many scheduler nodes as inductor's own fusion (117
-  against 129 with neighbours only), and the plans' measured peaks still equal their
-  predictions (the closed loop reads the code generated under the same rule).
+  (`_PeakGuard`). Neighbours only cost LLaMA's bench forward about 5% against
+  torch.compile at a 100% budget, though most of the kernels it does not join run where
+  the forward is far below its peak (its saved activations pile up to its end). With
+  `peak`, LLaMA's bench forward ends fusion with as many scheduler nodes as inductor's
+  own fusion, and the plans' measured peaks still equal their predictions (the closed
+  loop reads the code generated under the same rule); bench/README.md, "Fusion rules".
 - `inductor`: inductor's own rule, unrestricted (may exceed the budget).
 Inductor still decides which allowed pairs to fuse, and its other checks (legality,
 cycles, profitability) all still apply.

@@ -2,11 +2,12 @@
 before any kernel is compiled) that says what the code allocates and frees, and what it
 returns (`remat.runtime.inductor.estimate` compares it with the same graph run op by op).
 
-Measured (bench/inductor_budget.py, session 28): with an extern kernel's call holding
-all its outputs and its workspace until it returns (`_in_call_bytes`), and `estimate`
-counting the saved inputs the forward copies and lowering the backward on the strides
-the forward returns, the prediction equals the profiler's measurement on GPT-2, BERT and
-ViT tiny, at 1 and 2 threads (LLaMA: 32 B of a buffer no graph reads aside).
+With an extern kernel's call holding all its outputs and its workspace until it
+returns (`_in_call_bytes`), and `estimate` counting the saved inputs the forward copies
+and lowering the backward on the strides the forward returns, the prediction equals the
+profiler's measurement on GPT-2, BERT and ViT tiny, at 1 and 2 threads (LLaMA: 32 B of a
+buffer no graph reads aside); `python bench/inductor_budget.py` measures it
+(bench/README.md, "The budget under inductor on every zoo model").
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
     returns: its workspace (`workspace`, FX name -> bytes: its origin node's, else the
     largest of its origins') and, for a kernel returning several tensors, all of them
     (their `MultiOutputLine`s follow the call, interleaved with frees of its inputs,
-    which come later in fact: on LLaMA tiny's attention backward the walk without them
-    read 155,552 B under the profiler). 0 for any other line."""
+    which come later in fact: without them the walk reads LLaMA tiny's attention
+    backward 155,552 B under the profiler). 0 for any other line."""
     from torch.utils._pytree import tree_leaves
 
     from remat.compat import inductor_wrapper as w
