@@ -398,7 +398,7 @@ def remat_rows(name: str, size: str, ref: Reference, solvers, points: int, repea
     the dominance question is what remat costs at exactly their memory). remat plans the
     loss as the only output (`outputs="loss"`): every other method's step drops the
     logits before backward too, so a budget equal to their measured peak compares like
-    with like (before, remat held the logits for a caller, 4 MiB of GPT-2 bench)."""
+    with like (holding the logits for a caller would cost remat 4 MiB of GPT-2 bench)."""
     why = remat_available()
     if why is not None:
         log.warning("skipping remat rows: %s", why)

@@ -1,4 +1,4 @@
-"""remat's floor against `gradient_checkpointing_enable()` at 8 layers (issue #11's case).
+"""remat's floor against `gradient_checkpointing_enable()` at 8 layers.
 
 GPT-2 and BERT from transformers configs: 8 layers, 64 wide, 4 heads, dropout 0.1, batch
 2 x 64 tokens, vocabulary 128. For each: the peak of one training step (live-storage

@@ -111,10 +111,10 @@ def _graph_problem(problem):
 
 def test_the_reported_floor_does_not_depend_on_the_failed_solve():
     """The failed solve's plan depends on the budget asked for; the floor must not (Whisper
-    tiny read 3,319,048 B from a 60% budget, 3,441,672 B from a 1-byte one, and planning
-    at the smaller one in a new process was refused). With a search this short the floor
-    is the recompute-everything plan, and greedy's plan at 30% peaks far lower: it used
-    to become the floor when handed over as the failed solve."""
+    tiny's differs between a 60% and a 1-byte budget, and planning at the smaller one in a
+    new process would be refused). With a search this short the floor is the
+    recompute-everything plan, and greedy's plan at 30% peaks far lower: handed over as
+    the failed solve, it would become the floor."""
     base = builders.random_dag(60, seed=4, view_prob=0.1)
     options = {"time_limit_s": 1e-3}
     save = simulate(base, solve(base, "none")).peak_bytes

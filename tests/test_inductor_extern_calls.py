@@ -2,15 +2,13 @@
 (`remat.runtime.inductor.wrapper_walk._in_call_bytes`): the op's measured workspace, and
 every tensor a kernel returning several allocates before it returns.
 
-The case behind it (LLaMA tiny, solver "all", session 28): the wrapper hands out the
-three gradients of `_scaled_dot_product_flash_attention_for_cpu_backward` one
-`MultiOutputLine` at a time, with the frees of the call's inputs in between; the walk
-subtracted those inputs before adding the second and third gradients, and read the
-backward 155,552 B under the profiler (predicted 2,443,304 B, measured 2,598,856). The
-backend also left the op's scratch (16,512 B there) out of its plans; both accountings
-now count it, as `remat.plan` does. On the model below (2 layers, batch 8 x 64 tokens,
-64 wide) the old walk predicted 1,870,088 B (solver "all") and 2,001,160 B ("none")
-against 2,165,128 B measured for both; now both predict 2,165,128 B."""
+The case behind it (LLaMA tiny, solver "all"): the wrapper hands out the three
+gradients of `_scaled_dot_product_flash_attention_for_cpu_backward` one
+`MultiOutputLine` at a time, with the frees of the call's inputs in between; a walk that
+subtracts those inputs before adding the second and third gradients reads the backward
+155,552 B under the profiler. The op's scratch counts too, in the backend's plans and its
+walk alike, as `remat.plan` counts it. On the model below (2 layers, batch 8 x 64 tokens,
+64 wide) both solvers' predictions equal the measurement, within a page."""
 
 import pytest
 import torch

@@ -2,10 +2,12 @@
 (`remat.runtime.inductor.estimate.inductor_peak_bytes`): per graph, remat's peak over the
 steps that graph runs plus that graph's excess, not the step's peak plus the largest excess.
 
-The case behind it (GPT-2 tiny at 5.44 MiB, /work/notes/issue-13.md, session 21): the
-wrapper walk of the compiled backward matched the profiler within 8 B, and what the old
-sum-of-maxima added on top was the distance between the step's peak and the backward's
-own peak whenever the two were apart. No compile here: the rule on hand-made timelines."""
+The case behind it: GPT-2 tiny at torch.compile's 0.5 peak, 5.44 MiB (`python
+bench/compiled_pairs.py`; bench/README.md, "torch.compile against remat.backend, step for
+step"). The wrapper walk of the compiled backward matches the profiler there, and the
+step's peak plus the largest excess would add the distance between the step's peak and
+the backward's own peak whenever the two are apart. No compile here: the rule on
+hand-made timelines."""
 
 from remat.runtime.inductor.estimate import GraphBytes, inductor_peak_bytes
 from solvers.problem import Evaluation, Step, StepKind
@@ -29,7 +31,7 @@ def test_a_backward_excess_below_a_forward_peak_adds_nothing():
     # generated code holds 200 B more there: 900 B, under the forward's peak
     ev = _evaluation([F, F, B, R, B], [400, 1000, 700, 650, 300])
     assert inductor_peak_bytes(ev, _graphs(0, 200)) == 1000
-    # the old rule (step peak + largest excess) said 1,200 B
+    # step peak + largest excess would say 1,200 B
     assert ev.peak_bytes + max(g.excess_bytes for g in _graphs(0, 200)) == 1200
 
 
@@ -45,7 +47,7 @@ def test_each_graph_adds_its_own_excess_to_its_own_peak():
 
 def test_less_generated_than_op_by_op_lowers_the_prediction():
     # fusion never allocates what it inlines: a graph whose code holds less than op by op
-    # lowers its own term (GPT-2 tiny at 5.44 MiB: predicted = measured, 5,449,008 B)
+    # lowers its own term (GPT-2 tiny at 5.44 MiB: predicted = measured)
     ev = _evaluation([F, B], [800, 600])
     assert inductor_peak_bytes(ev, _graphs(-300, -100)) == 500
     assert _graphs(-300, 0)[0].excess_bytes == -300

@@ -127,7 +127,7 @@ def _gpt2_traffic(fraction: float):
 @pytest.mark.parametrize("fraction", [0.9, 0.6])
 def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
     """GPT-2 (tiny) under "compiled-traffic" (saving a pointwise value the backward reads
-    costs its traffic): layers, which used to decline save costs, finds the ILP's optimum
+    costs its traffic): layers finds the ILP's optimum
     (at 60% with saved pointwise values charged), and its objective is simulate's."""
     from solvers import simulate, solve
 
@@ -145,8 +145,8 @@ def test_auto_plans_traced_gpt2_with_layers_at_its_default_limit():
     """auto's defaults admit `layers` on a traced GPT-2: its 57,600-configuration attention
     block is under layers_max_block_configs, and the tables' deterministic charge (about
     3 nominal s; TABLE_STEPS_PER_S, calibrated on ~2.5 cpu s of building them cold) is
-    under default_time_limit_s. At the old rate (WORK_STEPS_PER_S) the same tables
-    charged ~23 s and auto fell back to the ILP."""
+    under default_time_limit_s. At WORK_STEPS_PER_S the same tables would charge ~23 s
+    and auto would fall back to the ILP."""
     from solvers import solve
     from solvers.auto import AutoOptions
 

@@ -1,9 +1,10 @@
 """Same inputs, same plan, in any process: a model planned in a fresh process and again in
 this one, after plans under another intra-op thread count (whose device figures differ:
 `costs.device_key` keys them by threads), gets the same decisions. The offload link
-bandwidth on CPU was kept per process from its first use, so a plan with offload
-depended on the thread count of whatever planned first in the worker (a transposed
-BatchNorm model at 75% with offload found no OFFLOAD decision after other tests)."""
+bandwidth on CPU is read for the current thread count at each plan: kept per process
+from its first use, a plan with offload would depend on the thread count of whatever
+planned first in the worker (a transposed BatchNorm model at 75% with offload would
+find no OFFLOAD decision after other tests)."""
 
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ class _WideDropout(torch.nn.Module):
 
 def test_a_replay_fits_its_prediction_with_the_allocator():
     """CPU's native_dropout makes a float copy of its mask beside its output; a replay
-    holds it too. Without it counted (measure_workspace on) the allocator read 10,100 B
+    holds it too. Without it counted (measure_workspace on) the allocator reads 10,100 B
     over the prediction here, as on T5 tiny at its floor."""
     torch.manual_seed(0)
     model, x = _WideDropout(), torch.randn(256, 64)

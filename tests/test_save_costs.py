@@ -52,7 +52,7 @@ def test_exact_solvers_recompute_when_saving_costs_more(solver):
 
 @pytest.mark.parametrize("solver", ["dp", "layers"])
 def test_dp_and_layers_plan_saving_costs_as_the_ilp_does(solver):
-    """They no longer decline save costs: on a chain (dp) and a layered stack (layers)
+    """They take save costs: on a chain (dp) and a layered stack (layers)
     their optimum is the ILP's, and simulate's cost of their plan."""
     from test_layered import stack
 

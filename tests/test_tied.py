@@ -5,9 +5,9 @@ the sum.
 Instruments: the allocator (`measure_step_profiler`) is trusted for "under budget" and
 "prediction never below the measurement". The tracker (`measure_step`) runs under a
 dispatch mode, where autograd sums a leaf's gradients out of place
-(`remat.measure`); before the sum moved into the graph it read above the prediction
-(measured: +6.8% on the GPT-2 below and +3.7% on the BERT at their floors, with the
-allocator at the prediction), so here it must be at or below the prediction too."""
+(`remat.measure`); with the sum outside the graph it reads above the prediction (+3.7%
+to +6.8% on the models below at their floors, the allocator at the prediction), so here
+it must be at or below the prediction too."""
 
 from __future__ import annotations
 

@@ -80,11 +80,12 @@ def _floor(case, **options) -> int:
 
 @pytest.mark.parametrize("at", ["100%", "floor"])
 def test_conv_model_prediction_covers_the_allocator(at):
-    """At the floor this once read 1,616,464 B against a 1,607,400 B budget (+0.56%): a
-    multi-output op's other outputs are allocated while its workspace is live, so they
-    count at the op's step (`workspace._outputs_made_early`); now the budget is 1,616,616 B."""
+    """The allocator stays under the budget at 100% and at the floor: a multi-output op's
+    other outputs are allocated while its workspace is live, so they count at the op's
+    step (`workspace._outputs_made_early`; left out, the allocator reads 0.56% over the
+    budget at the floor)."""
     case = zoo.build("cnn", size="tiny")
-    # replay_rng=False: the plans the numbers above were measured on (dropout saved); with
+    # replay_rng=False: the plans the figure above was measured on (dropout saved); with
     # dropout replayed the floor is another plan
     budget = _floor(case, replay_rng=False) if at == "floor" else at
     planned = remat.plan(case.model, case.args, case.kwargs, budget=budget, time_limit_s=0.5,
@@ -162,8 +163,8 @@ def _only_op(fn, *args):
 
 def test_an_op_with_a_keyword_tensor_and_an_expanded_argument_is_measured():
     """LLaMA's attention backward takes its mask as a keyword argument, expanded (stride
-    0): both once made the measuring call fail, so its 16,512 B of scratch counted as 0
-    and the allocator read 16,512 B over the budget at the floor. Measured here: the
+    0): the measuring call must take both, or its 16,512 B of scratch counts as 0 and
+    the allocator reads that much over the budget at the floor. Measured here: the
     workspace equals what the profiler sees around the same call on real tensors."""
     b, h, n, d = 2, 4, 64, 16
 
