@@ -47,6 +47,12 @@ def resolve_budget(budget: int | str, baseline_peak_bytes: int) -> int:
     return resolved
 
 
+def is_percentage(budget: int | str) -> bool:
+    """Whether `budget` is a percentage of the no-remat peak ('60%')."""
+    match = _PATTERN.match(budget) if isinstance(budget, str) else None
+    return match is not None and match.group(2) == "%"
+
+
 def check_budget_syntax(budget: int | str) -> None:
     """Raise BudgetError for a malformed budget, before any tracing happens."""
     resolve_budget(budget, baseline_peak_bytes=2**62)

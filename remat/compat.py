@@ -260,7 +260,9 @@ def _unsupported(feature: str, api: str, cause: BaseException | None = None) -> 
 
 
 def __getattr__(name: str) -> Any:
-    """A name of `_PRIVATE`, imported from torch on first use (then kept here)."""
+    """A name of `_PRIVATE`, looked up in torch at each import of it (not kept here: a
+    name torch's own module has patched, as a test's spy on `compile_fx`, is what remat
+    gets)."""
     if name not in _PRIVATE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     api, feature = _PRIVATE[name]
@@ -271,7 +273,6 @@ def __getattr__(name: str) -> Any:
             value = getattr(value, attribute)
     except (ImportError, AttributeError) as e:
         raise _unsupported(feature, api.replace(":", ".").rstrip("."), e) from e
-    globals()[name] = value
     return value
 
 

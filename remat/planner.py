@@ -66,6 +66,16 @@ class PlannedStep:
     fusion_graph_bytes: tuple[Any, ...] = ()
     """Under inductor: each graph's peak as inductor generates it vs op by op
     (`remat.runtime.inductor.estimate.GraphBytes`), where the margin comes from. () elsewhere."""
+    no_remat_margin_bytes: int | None = None
+    """Under inductor, where estimated (a percentage budget, or a refusal): what its
+    generated code adds to the plan that saves everything; None elsewhere."""
+
+    @property
+    def no_remat_peak_bytes(self) -> int:
+        """The no-remat peak of the path that runs: under inductor, where estimated, the
+        plan that saves everything as inductor generates it; else `baseline_peak_bytes`
+        (op by op). A percentage budget is of this."""
+        return self.baseline_peak_bytes + (self.no_remat_margin_bytes or 0)
 
 
 class Partitioner:
@@ -145,6 +155,9 @@ class Partitioner:
         """AOTAutograd names the parameters and buffers among the primals in
         `static_lifetime_input_indices` (under torch.compile they are interleaved with
         the user's inputs); without it, the first `num_params` primals are parameters."""
+        # the error of this call only: one caught and planned past (inductor's closed loop
+        # replanning at the floor) must not be kept, with its traceback's frames
+        self.error = None
         try:
             return self._partition(joint, num_fwd_outputs, static_lifetime_input_indices)
         except RematError as e:  # AOTAutograd may wrap exceptions; keep ours to re-raise

@@ -118,5 +118,9 @@ def test_random_compositions_train_as_eager_through_the_backend(seed, plan):
     compiled = torch.compile(model, backend=be)
     assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition {seed}, {plan}")
     assert be.steps  # remat planned what ran
+    for step in be.steps:  # a percentage is of inductor's no-remat peak: "100%" is that peak
+        assert step.no_remat_margin_bytes is not None
+        assert step.budget_bytes == step.no_remat_peak_bytes
+        assert step.evaluation.peak_bytes + step.fusion_margin_bytes <= step.budget_bytes
     if plan == "all recomputed":
         assert any(step.evaluation.recomputed_ids for step in be.steps)

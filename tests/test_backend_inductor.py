@@ -73,7 +73,11 @@ def test_measured_peak_under_budget_and_prediction(compiled):
     (step,) = be.steps
     model.zero_grad(set_to_none=True)  # frees before the step are invisible to the profiler
     measured = measure_step(lambda: _loss(fn, x), register=(model, x), instrument="profiler")
-    assert measured.peak_bytes <= step.evaluation.peak_bytes <= step.budget_bytes
+    # under inductor the prediction is remat's peak plus what its generated code adds
+    # (negative here: fusion never allocates what it inlines); the percentage is of the
+    # no-remat peak as inductor generates it
+    assert measured.peak_bytes <= step.evaluation.peak_bytes + step.fusion_margin_bytes <= step.budget_bytes
+    assert step.budget_bytes == int(0.9 * step.no_remat_peak_bytes)
     model.zero_grad(set_to_none=True)
     again = be.measure(lambda: _loss(fn, x), register=(model, x))
     assert again.peak_bytes == measured.peak_bytes  # same compiled code, same allocations

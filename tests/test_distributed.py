@@ -147,6 +147,18 @@ def test_fsdp2_through_the_compile_backend(ranks):
     assert facts[0]["decisions"] == facts[1]["decisions"]
 
 
+def test_fsdp2_through_the_backend_with_inductor_plans_a_percentage_on_every_rank(ranks):
+    """A percentage under FSDP2 through the backend (inductor): every rank plans it, of
+    the whole step's no-remat peak as inductor generates each graph, and trains like
+    eager FSDP2. (A call's share in the first step may be below its floor: that step runs
+    best effort, `remat.runtime.inductor.closed_loop`.)"""
+    for f in _facts(ranks, "fsdp2_percentage"):
+        assert f["grads_close"]
+        budget, no_remat, predicted = f["step"]
+        assert budget == int(0.9 * no_remat) and predicted <= budget
+        assert f["margins_known"] and f["calls"] == 4
+
+
 @needs_torch(2, 13, "the eager FSDP2 reference runs with torch.compiler.is_compiling() set (the code "
              "path dynamo traces), and torch 2.11's FSDP2 asserts in its lazy init there, and once "
              "initialized saves a bf16 parameter it then overwrites in place")

@@ -27,6 +27,10 @@ def summary(step: "PlannedStep", *, top: int = 10) -> str:
         f"  predicted peak:  {format_bytes(ev.peak_bytes)}"
         f"  ({100.0 * ev.peak_bytes / max(step.baseline_peak_bytes, 1):.1f}% of baseline)",
     ]
+    if step.no_remat_margin_bytes is not None:
+        lines.insert(3, f"  under inductor:  baseline {format_bytes(step.no_remat_peak_bytes)}, this plan "
+                        f"{format_bytes(ev.peak_bytes + step.fusion_margin_bytes)} (generated code; "
+                        "a percentage budget is of its baseline)")
     if 0 <= ev.peak_step < len(ev.steps):
         s = ev.steps[ev.peak_step]
         where = gp.source[s.node_id] or "no source line"

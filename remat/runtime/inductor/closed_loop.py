@@ -6,6 +6,12 @@ plans again under the budget less that margin; where it holds less (fusion never
 allocates what it inlines), remat tries a plan under the budget plus the room, and keeps
 it when it costs less and its own prediction fits. The step records the margin it ran
 with; the prediction is remat's peak plus it (`estimate.inductor_peak_bytes`).
+
+A percentage is of the no-remat peak of the path that runs: inductor's, remat's plan that
+saves everything as inductor generates it (so "100%" always plans). The whole-step
+ledger's first step plans best effort: where nothing found fits its share, the call runs
+the lowest plan found under inductor instead of being refused (the ledger splits the
+budget once the step is known), unless that plan alone is over a budget given in bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 from torch import fx
 
+from remat.budget import is_percentage, resolve_budget
 from remat.runtime.inductor.estimate import GraphBytes, estimate_fusion, inductor_peak_bytes
 
 log = logging.getLogger(__name__)
@@ -57,9 +64,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     # best effort) must hold no more between forward and backward than the split counted
     # for it, so it takes no room above its share
     room = partitioner.budget_for is None or partitioner.best_effort
-    fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    step = partitioner.step
-    budget_bytes, margin, worst, at_floor = step.budget_bytes, 0, 0, False
+    best_effort, asked = partitioner.best_effort, partitioner.budget
     estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
 
     def graph_bytes(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[GraphBytes, ...]:
@@ -69,6 +74,20 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                                              num_fwd_outputs=kwargs.get("num_fwd_outputs"),
                                              workspace=partitioner.measures_workspace)[1]
         return estimated[key]
+
+    no_remat = None  # (peak, margin) of the plan that saves everything, once estimated
+    if is_percentage(partitioner.budget):
+        no_remat = _of_inductors_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
+    try:
+        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+        budget_bytes, at_floor = partitioner.step.budget_bytes, False
+    except InfeasibleBudgetError as e:  # below remat's floor op by op: the floor's margin decides
+        budget_bytes, at_floor = e.budget_bytes, True
+        partitioner.budget = e.min_peak_bytes
+        log.info("remat: planning at the floor, %d B", e.min_peak_bytes)
+        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+    step = partitioner.step
+    margin, worst = 0, 0
 
     least = None  # (peak, margin) of the plan tried that peaks lowest under inductor
     for replan in range(MAX_REPLANS + 2):
@@ -85,8 +104,16 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # the floor op by op may peak higher under inductor than a plan tried before
             # it, or than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
             # floor, 1,267,576 B at 100%)
-            least = min(least, _at_no_remat_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes),
-                        key=sum)
+            no_remat = no_remat or _at_no_remat_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
+            if sum(no_remat) <= budget_bytes or (best_effort and sum(no_remat) < sum(least)):
+                partitioner.budget = partitioner.step.baseline_peak_bytes  # saves everything
+                fw, bw = partitioner(joint, joint_inputs, **kwargs)
+                step, margin = partitioner.step, no_remat[1]
+                generated = graph_bytes(fw, bw)
+                break
+            least = min(least, no_remat, key=sum)
+            if best_effort and not (isinstance(asked, int) and sum(least) > asked):
+                break  # the ledger's first step: the lowest found runs, unless over the whole budget
             partitioner.error = _refusal(budget_bytes, *least)
             raise partitioner.error
         # a margin as large as the budget leaves nothing: the floor decides (below)
@@ -105,8 +132,31 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         (fw, bw), step, margin, generated = _use_the_deficit(
             partitioner, joint, joint_inputs, kwargs, budget_bytes, (fw, bw), step, margin, generated, graph_bytes)
     partitioner.step = dataclasses.replace(step, budget_bytes=budget_bytes, fusion_margin_bytes=margin,
-                                           fusion_graph_bytes=tuple(generated))
+                                           fusion_graph_bytes=tuple(generated),
+                                           no_remat_margin_bytes=no_remat[1] if no_remat else None)
     return fw, bw
+
+
+def _of_inductors_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
+                       graph_bytes: Any) -> tuple[int, int]:
+    """A percentage budget made a percentage of inductor's no-remat peak: remat's
+    no-remat peak plus what inductor's code adds to the plan that saves everything (or
+    less, where it holds less). Returns that plan's (peak, margin); the partitioner's
+    budget is then in bytes (or, for the ledger's share, its no-remat peak is shifted
+    by the margin)."""
+    budget, budget_for, best_effort = partitioner.budget, partitioner.budget_for, partitioner.best_effort
+    partitioner.budget = "100%"  # the plan that saves everything (views aside: they are free)
+    fw, bw = partitioner(joint, joint_inputs, **kwargs)
+    peak = partitioner.step.evaluation.peak_bytes
+    margin = inductor_peak_bytes(partitioner.step.evaluation, graph_bytes(fw, bw)) - peak
+    if budget_for is None:
+        partitioner.budget = resolve_budget(budget, peak + margin)
+    else:
+        partitioner.budget = budget
+        partitioner.budget_for, partitioner.best_effort = (lambda b: budget_for(b + margin)), best_effort
+    log.info("remat: %s of inductor's no-remat peak, %d B (remat's %d B %+d B from inductor's kernels)",
+             budget, peak + margin, peak, margin)
+    return peak, margin
 
 
 def _at_no_remat_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],

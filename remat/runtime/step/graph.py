@@ -70,7 +70,7 @@ class LedgeredGraph:
         held = self.ledger.record(out)
         boundary = self._boundary(step)
         self.ledger.add(Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
-                             peak_bytes=_peak(step), baseline_bytes=step.baseline_peak_bytes,
+                             peak_bytes=_peak(step), baseline_bytes=step.no_remat_peak_bytes,
                              held_bytes=held, boundary_bytes=boundary,
                              no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
                              params=seen.params, with_grad=seen.with_grad, counted=seen.counted))
@@ -87,7 +87,7 @@ class LedgeredGraph:
     def _choose(self, args: Sequence[Any], outside: int, pending: tuple[int, ...]) -> tuple[Variant, int]:
         ledger = self.ledger
         if not ledger.knows_the_step:
-            share = ledger.learning_share(outside, pending, self.variants[0][1].baseline_peak_bytes)
+            share = ledger.learning_share(outside, pending, self.variants[0][1].no_remat_peak_bytes)
             fits = self._fitting(share)
             if fits is not None:
                 return fits, share
@@ -161,6 +161,6 @@ class LedgeredGraph:
 
     def _no_remat_boundary(self, step: Any) -> int:
         if self._save_all_boundary is None:
-            option = split.save_all_option(step.graph_problem.problem, step.baseline_peak_bytes)
+            option = split.save_all_option(step.graph_problem.problem, step.no_remat_peak_bytes)
             self._save_all_boundary = option.boundary_bytes
         return self._save_all_boundary

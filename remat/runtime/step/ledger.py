@@ -269,7 +269,7 @@ class StepLedger:
     def _split(self) -> None:
         records = [c.record(self.future_grad_bytes(i) + self._unseen_param_bytes(c))
                    for i, c in enumerate(self.first_step)]
-        save_all = {graph: split.save_all_option(steps[0].graph_problem.problem, steps[0].baseline_peak_bytes)
+        save_all = {graph: split.save_all_option(steps[0].graph_problem.problem, steps[0].no_remat_peak_bytes)
                     for graph, steps in self.graphs.items()}
         self.no_remat_step_bytes = split.no_remat_step_bytes(records, save_all)
         self.budget_bytes = resolve_budget(self.budget, self.no_remat_step_bytes)
@@ -289,9 +289,10 @@ class StepLedger:
         for graph, steps in self.graphs.items():
             problem = steps[0].graph_problem.problem
             floor = lowest_found(problem, solve(problem.with_budget(0), self.solver, **self.options))
-            menus[graph] = split.menu(problem, baseline_bytes=steps[0].baseline_peak_bytes, floor=floor,
-                                      solver=self.solver, options=self.options,
-                                      planned=[(s.budget_bytes, s.plan) for s in steps])
+            menu = split.menu(problem, baseline_bytes=steps[0].baseline_peak_bytes, floor=floor,
+                              solver=self.solver, options=self.options,
+                              planned=[(s.budget_bytes, s.plan) for s in steps])
+            menus[graph] = _under_inductor(menu, steps)
         return menus
 
     def planned_share(self, position: int, graph: int) -> split.Option | None:
@@ -377,6 +378,19 @@ class StepLedger:
         # FSDP2's sharded parameters and gradients, unsharded parameters and buffers
         counted.update((k, n) for k, n in self.fsdp.live().items() if k not in exclude)
         return sum(counted.values()), frozenset(with_grad)
+
+
+def _under_inductor(menu: tuple[split.Option, ...], steps: Sequence[Any]) -> tuple[split.Option, ...]:
+    """A graph's menu (op by op) as inductor runs it: the no-remat option at the no-remat
+    peak inductor's code holds, every other option raised by the largest margin its
+    compiled plans showed (`fusion_margin_bytes`; 0 off inductor). So a whole-step
+    percentage and the split's floors are of the same path that runs."""
+    margin = max(s.fusion_margin_bytes for s in steps)
+    baseline, no_remat = steps[0].baseline_peak_bytes, steps[0].no_remat_peak_bytes
+    if not margin and no_remat == baseline:
+        return menu
+    return tuple(dataclasses.replace(o, peak_bytes=no_remat if o.cost_s == 0 and o.peak_bytes == baseline
+                                     else o.peak_bytes + margin) for o in menu)
 
 
 def _tensors(outputs: Any) -> list[torch.Tensor]:
