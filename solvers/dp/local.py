@@ -160,6 +160,9 @@ class BlockEvaluator:
             try:
                 steps = run.build(delta)
             except InvalidLocal as error:
+                # kept in tables: without its traceback, whose frames (up to the caller's:
+                # a compile under torch.compile) would keep their locals alive
+                error = error.with_traceback(None)
                 out[dropped[0]] = error
                 if error.args[0] != self.block.prev:
                     out.update((m, error) for m in modes_prev)
@@ -178,7 +181,7 @@ class BlockEvaluator:
                 try:
                     out[mode] = self.evaluate(config, mode, delta)
                 except InvalidLocal as error:
-                    out[mode] = error
+                    out[mode] = error.with_traceback(None)
         return out
 
     def _held(self, run: _Run, steps: list, level: list[int], delta: bool, local: Local) -> Local:
