@@ -17,20 +17,18 @@ import torch
 from torch import nn
 
 from remat import distributed
-from remat.budget import check_budget_syntax
-from remat.errors import InfeasibleBudgetError, RematError, UnknownSolverError
+from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import workspace
-from remat.frontend.costs import COST_MODELS, DeviceSpeed
-from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
+from remat.frontend.costs import DeviceSpeed
+from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
+from remat.settings import PlannerSettings
 from remat.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
-from solvers import SOLVERS, Plan
+from solvers import Plan
 
 log = logging.getLogger(__name__)
-OUTPUTS = ("all", "loss")
-"""Values of `plan(..., outputs=...)`."""
 
 
 class Planned(nn.Module):
@@ -39,8 +37,7 @@ class Planned(nn.Module):
     work unchanged. Calling it runs the planned forward; `.loss.backward()` runs the
     planned backward. Other input shapes are re-planned under the same budget."""
 
-    def __init__(self, model: nn.Module, *, budget: int | str, solver: str, options: dict[str, Any],
-                 sync_ranks: bool | None = None, offload: Any = "auto", device_speed: DeviceSpeed | None = None,
+    def __init__(self, model: nn.Module, settings: PlannerSettings, *, options: dict[str, Any],
                  compile: bool = False, cost_model: str | None = None, outputs: str = "all"):
         super().__init__()
         # Share, don't wrap: the same dicts, so keys and objects are the model's own.
@@ -49,16 +46,12 @@ class Planned(nn.Module):
         self._modules = model._modules
         self.__dict__["_remat_model"] = model
         self.__dict__["_remat_cache"] = {}
-        self.__dict__["_remat_device_speed"] = device_speed
+        self.__dict__["_remat_settings"] = settings
         self.__dict__["_remat_refused"] = {}  # signature key -> InfeasibleBudgetError
         self.__dict__["_remat_shapes"] = {}  # signature key -> ShapePlan
         self.__dict__["_remat_runs"] = {}  # signature key -> forward calls
         self.__dict__["_remat_last"] = None  # signature key of the last forward call
-        self.budget = budget
-        self.solver = solver
         self.options = dict(options)
-        self.sync_ranks = sync_ranks
-        self.offload = offload
         self.compile = compile
         self.cost_model = cost_model
         self.outputs = outputs
@@ -67,6 +60,27 @@ class Planned(nn.Module):
     @property
     def model(self) -> nn.Module:
         return self.__dict__["_remat_model"]
+
+    @property
+    def settings(self) -> PlannerSettings:
+        """What every input signature is planned with (`PlannerSettings.for_eager`)."""
+        return self.__dict__["_remat_settings"]
+
+    @property
+    def budget(self) -> int | str:
+        return self.settings.budget
+
+    @property
+    def solver(self) -> str:
+        return self.settings.solver
+
+    @property
+    def sync_ranks(self) -> bool | None:
+        return self.settings.sync_ranks
+
+    @property
+    def offload(self) -> bool | str:
+        return self.settings.offload
 
     def train(self, mode: bool = True) -> "Planned":
         self.model.train(mode)
@@ -143,20 +157,8 @@ class Planned(nn.Module):
         if self.offload is not False:  # offload=False never looks at devices
             device = offload_device([*tensors, *flat.parameters()], self.offload)
             bandwidth = resolve_bandwidth(self.offload, device)
-        partitioner = Partitioner(num_params=num_params, budget=budget, solver=self.solver,
-                                   options=self.options, started_s=started, sync_ranks=self.sync_ranks,
-                                   offload_bandwidth_bytes_per_s=bandwidth, offload=self.offload,
-                                   device_speed=self.__dict__["_remat_device_speed"],
-                                   sum_gradients_in_place=True,
-                                   # the budget is the allocator's count: kernel scratch
-                                   # counts (compiled too: the backend's own default)
-                                   measure_workspace_by_default=True,
-                                   cost_model=self.cost_model or "eager",
-                                   # inductor's graphs keep random ops saved: plan the same space
-                                   replay_rng=self.options.get("replay_rng", not self.compile),
-                                   # twice-recomputing plans below every canonical one: the
-                                   # eager runtime runs them (remat/runtime/schedule.py)
-                                   schedules=self.options.get("schedules", not self.compile))
+        partitioner = Partitioner(self.settings, num_params=num_params, budget=budget, started_s=started,
+                                  offload_bandwidth_bytes_per_s=bandwidth)
         # a new input shape is planned inside the training step: measuring stays under
         # the bytes the first plan resolved
         measuring = workspace.inside_a_step(budget) if cache else contextlib.nullcontext()
@@ -187,9 +189,8 @@ class Planned(nn.Module):
         so the budget covers the whole step."""
         from remat.runtime.backend import RematBackend
 
-        options = {k: v for k, v in self.options.items() if k not in ("replay_rng", "schedules")}  # eager runtime's
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          offload=self.offload, cost_model=self.cost_model, **options)
+                          offload=self.offload, cost_model=self.cost_model, **self.options)
         self.__dict__.setdefault("_remat_backends", []).append(be)
         return torch.compile(flat, backend=be, fullgraph=True)
 
@@ -315,22 +316,14 @@ def plan(
     are often the largest single activation)."""
     if not isinstance(model, nn.Module):
         raise RematError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if solver not in SOLVERS:
-        raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
-    check_budget_syntax(budget)  # fail before tracing, not after
-    check_offload(offload)
-    if cost_model is not None and cost_model not in COST_MODELS:
-        raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")
-    if outputs not in OUTPUTS:
-        raise RematError(f"unknown outputs={outputs!r}: use \"all\" (every output returned, held "
-                         "until the step ends) or \"loss\" (the loss only; the rest die in the forward)")
+    settings = PlannerSettings.for_eager(  # checked here: fail before tracing, not after
+        budget=budget, solver=solver, options=options, sync_ranks=sync_ranks, offload=offload,
+        device_speed=device_speed, compile=compile, cost_model=cost_model, outputs=outputs)
     distributed.check_plannable(model)
     if not isinstance(args, (tuple, list)):
         args = (args,)
     kwargs = dict(kwargs or {})
-    planned = Planned(model, budget=budget, solver=solver, options=options, sync_ranks=sync_ranks,
-                      offload=offload, device_speed=device_speed, compile=compile, cost_model=cost_model,
-                      outputs=outputs)
+    planned = Planned(model, settings, options=options, compile=compile, cost_model=cost_model, outputs=outputs)
     with torch.enable_grad():
         planned.prepare(tuple(args), kwargs)
     return planned

@@ -24,6 +24,7 @@ from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import with_workspace
 from remat.runtime.rewrite import partition
+from remat.settings import PlannerSettings
 from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
 from solvers.base import finish
 from solvers.prefetch import prefetch
@@ -79,60 +80,32 @@ class PlannedStep:
 
 
 class Partitioner:
-    """AOTAutograd's partition_fn: plan the joint graph, return fw/bw modules."""
+    """AOTAutograd's partition_fn: plan the joint graph under `settings`, return fw/bw
+    modules. What varies per graph is set here: the budget (inductor's closed loop sets
+    it again), the ledger's share, the offload link of the graph's device."""
 
-    def __init__(self, *, num_params: int, budget: int | str, solver: str, options: dict[str, Any],
-                 started_s: float, cost_model: str = "eager", sync_ranks: bool | None = None,
-                 offload_bandwidth_bytes_per_s: float | None = None, offload: Any = "auto",
-                 device_speed: costs.DeviceSpeed | None = None, sum_gradients_in_place: bool = False,
-                 compiled_offload: bool = False, replay_rng: bool = False,
-                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False,
-                 measure_workspace_by_default: bool = False, schedules: bool = False,
-                 drop_outputs: bool = False, random_s_per_element: float | None = None) -> None:
+    def __init__(self, settings: PlannerSettings, *, num_params: int, started_s: float,
+                 budget: int | str | None = None, offload_bandwidth_bytes_per_s: float | None = None,
+                 random_s_per_element: float | None = None,
+                 budget_for: Callable[[int], int] | None = None, best_effort: bool = False) -> None:
+        self.settings = settings
         self.num_params = num_params
-        self.drop_outputs = drop_outputs
-        """The caller drops every forward output but the loss before backward
-        (`remat.backend(outputs="loss")`): they are held to the forward's end only."""
-        self.schedules = schedules
-        """Below every canonical plan, try plans that recompute a value more than once
-        (`remat.floor`): the eager runtime's default (`remat.plan`'s `schedules` option)."""
-        self.measure_workspace_by_default = measure_workspace_by_default
-        """Measure op workspace when the `measure_workspace` option is not given (True from
-        `remat.plan` and `remat.backend`)."""
+        """The first `num_params` primals are parameters and buffers, where AOTAutograd
+        does not name them (see `__call__`)."""
+        self.started_s = started_s
+        """When planning this graph began (`perf_counter`): its trace time is from here."""
+        self._budget = settings.budget if budget is None else budget
+        self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
+        """The link offload may use from this graph's device; None: offload off."""
+        self.random_s_per_element = random_s_per_element
+        """What one of inductor's random draws costs here (`remat.frontend.inductor_random`),
+        for the compiled cost models; None: priced by its traffic."""
         self.budget_for = budget_for
         """The budget in bytes given this graph's no-remat peak, instead of resolving
         `budget` against it (the whole-step ledger's share, `runtime.step.ledger`)."""
         self.best_effort = best_effort
         """Run at the lowest peak found instead of refusing when no plan fits (the
         ledger's first step, which cannot know the rest of the step yet)."""
-        self.sum_gradients_in_place = sum_gradients_in_place
-        """Run a parameter's gradient sum in place into one operand, as eager autograd
-        does (`remat.frontend.accumulate`); for the eager runtime (inductor does its own
-        buffer reuse)."""
-        self.replay_rng = replay_rng
-        """Random ops may be recomputed from a saved generator state
-        (`remat.frontend.random_ops`); else they are always saved. The eager runtime
-        replays them; inductor's partitioner hook does not get them (its graphs keep
-        the random ops as they are)."""
-        self.sync_ranks = sync_ranks
-        """Take rank 0's plan on every rank (`remat.distributed`); None: when a process
-        group of more than one rank is initialized."""
-        self.offload_bandwidth_bytes_per_s = offload_bandwidth_bytes_per_s
-        self.offload = offload
-        self.compiled_offload = compiled_offload
-        """Inductor compiles the result: offload through custom ops, reloads not
-        prefetched (they wait in place there; remat/runtime/offload_ops.py)."""
-        # None: measure this machine (outside any fake mode); fake-tensor planning passes a
-        # named device's figures, since nothing may run there.
-        self.device_speed = device_speed
-        self.random_s_per_element = random_s_per_element
-        """What one of inductor's random draws costs here (`remat.frontend.inductor_random`),
-        for the compiled cost models; None: priced by its traffic."""
-        self._budget = budget
-        self.solver = solver
-        self.options = options
-        self.started_s = started_s
-        self.cost_model = cost_model
         self.step: PlannedStep | None = None
         self.error: RematError | None = None
         self._problem_cache: tuple[Any, ...] | None = None
@@ -167,51 +140,53 @@ class Partitioner:
     def _solve(self, problem: Problem, options: dict[str, Any]) -> Plan:
         """The solver's plan; with offload="fallback", its recompute-only plan when that
         fits, and offload only when it does not."""
-        if self.offload == "fallback" and problem.offload_bandwidth_bytes_per_s is not None:
-            plan = solve_with_floor(_recompute_only(problem), self.solver, options)
+        if self.settings.offload == "fallback" and problem.offload_bandwidth_bytes_per_s is not None:
+            plan = solve_with_floor(_recompute_only(problem), self.settings.solver, options)
             if plan.status is not Status.INFEASIBLE:
                 return plan
-        return solve_with_floor(problem, self.solver, options)
+        return solve_with_floor(problem, self.settings.solver, options)
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
-        gp, baseline, speed, options = self._built(joint, num_fwd_outputs, param_indices)
+        settings = self.settings
+        options = dict(settings.solver_options)
+        gp, baseline, speed = self._built(joint, num_fwd_outputs, param_indices)
         budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
                         else resolve_budget(self.budget, baseline))
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
         t_profiled = time.perf_counter()
-        log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), self.solver,
+        log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), settings.solver,
                   extra={STAGE: "solve"})
         # below the bytes every plan holds at its end: refused from the floor search alone
-        plan = None if self.best_effort else refused_without_solving(gp.problem, self.solver, options)
+        plan = None if self.best_effort else refused_without_solving(gp.problem, settings.solver, options)
         if plan is None:
             plan = self._solve(gp.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE and self.best_effort:
             plan = lowest_found(gp.problem, plan)
         elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
-            plan, refusal = at_the_floor(gp, plan, solver=self.solver, options=options,
-                                         baseline_bytes=baseline, offload=self.offload,
-                                         schedules=self.schedules)
-        if self.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
+            plan, refusal = at_the_floor(gp, plan, solver=settings.solver, options=options,
+                                         baseline_bytes=baseline, offload=settings.offload,
+                                         schedules=settings.schedules)
+        if settings.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.fusion); before the
             # ranks agree, so every rank takes rank 0's result
             plan = prefer_fused_recompute(joint, gp, plan, speed, random_s_per_element=self.random_s_per_element)
         # two saved tensors over one storage would let inductor's backward overwrite one
         # while the other is still to be read (solvers.shared_storage)
         plan = one_save_per_storage(gp.problem, plan)
-        if plan.status is not Status.INFEASIBLE and not self.compiled_offload:  # reloads early
+        if plan.status is not Status.INFEASIBLE and not settings.custom_offload_ops:  # reloads early
             plan = prefetch(gp.problem, plan)
-        if self.sync_ranks or (self.sync_ranks is None and distributed.world_size() > 1):
+        if settings.sync_ranks or (settings.sync_ranks is None and distributed.world_size() > 1):
             plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise refusal or _infeasible(gp, plan, budget_bytes, baseline, self.offload)
+            raise refusal or _infeasible(gp, plan, budget_bytes, baseline, settings.offload)
         t_solved = time.perf_counter()
         log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
         fw, bw = partition(joint, gp, plan, evaluation, num_fwd_outputs=num_fwd_outputs,
-                           custom_offload_ops=self.compiled_offload)
+                           custom_offload_ops=settings.custom_offload_ops)
         t_done = time.perf_counter()
         self.step = PlannedStep(
             graph_problem=gp, plan=plan, evaluation=evaluation, baseline_peak_bytes=baseline,
@@ -222,8 +197,8 @@ class Partitioner:
         return fw, bw
 
     def _built(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
-        """The joint graph's problem (budget 0), its no-remat peak, the device speed and
-        the solver options. Kept for the same joint graph: inductor's loop plans it again
+        """The joint graph's problem (budget 0), its no-remat peak and the device speed.
+        Kept for the same joint graph: inductor's loop plans it again
         under a lower budget (`remat.runtime.inductor.estimate`), and building it again
         would give the same problem."""
         key = (num_fwd_outputs, tuple(param_indices) if param_indices else None, len(joint.graph.nodes))
@@ -235,37 +210,37 @@ class Partitioner:
 
     @property
     def measures_workspace(self) -> bool:
-        """Whether the plans count each op's measured workspace (`_measures_workspace`)."""
-        return _measures_workspace(self.options.get("measure_workspace"), self.device_speed,
-                                   self.measure_workspace_by_default)
+        """Whether the plans count each op's measured workspace
+        (`PlannerSettings.measure_workspace`)."""
+        return self.settings.measures_workspace
 
     def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
-        speed = self.device_speed if self.device_speed is not None else costs.device_speed("cpu")
-        cost_s = costs.cost_function(self.cost_model, speed, random_s_per_element=self.random_s_per_element)
+        settings = self.settings
+        speed = settings.device_speed if settings.device_speed is not None else costs.device_speed("cpu")
+        cost_s = costs.cost_function(settings.cost_model, speed, random_s_per_element=self.random_s_per_element)
         replayable = None
-        if self.replay_rng:
+        if settings.replay_rng:
             replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
             cost_s = replayable.costs(cost_s)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            param_indices=tuple(param_indices) if param_indices else None,
-                           sum_gradients_in_place=self.sum_gradients_in_place,
-                           drop_outputs=self.drop_outputs)
-        options = {k: v for k, v in self.options.items() if k not in ("measure_workspace", "replay_rng", "schedules")}
+                           sum_gradients_in_place=settings.sum_gradients_in_place,
+                           drop_outputs=settings.drop_outputs)
         measured = self.measures_workspace
         if measured:
             gp = dataclasses.replace(gp, problem=with_workspace(gp.problem, gp.fx_names, joint))
         if replayable is not None:
             gp = dataclasses.replace(gp, problem=with_replay_workspace(gp.problem, gp.value_name, replayable,
                                                                        joint=joint if measured else None))
-        if self.cost_model == "compiled-traffic":
+        if settings.cost_model == "compiled-traffic":
             gp = dataclasses.replace(gp, problem=with_save_costs(gp, joint, speed, self.random_s_per_element))
         layers = layer_structure(joint, gp)
         if layers is not None:  # repeated layers, for the solvers that use them
             gp = dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, layers=layers))
         baseline = simulate(gp.problem, decisions_all(gp.problem, Decision.SAVE)).peak_bytes
-        return gp, baseline, speed, options
+        return gp, baseline, speed
 
 
 def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.DeviceSpeed,
@@ -297,19 +272,6 @@ def lowest_found(problem: Problem, failed: Plan) -> Plan:
 def _recompute_only(problem: Problem) -> Problem:
     """`problem` with offload not allowed (its plans are valid plans of `problem`)."""
     return dataclasses.replace(problem, offload_bandwidth_bytes_per_s=None)
-
-
-def _measures_workspace(asked: bool | None, device_speed: Any, by_default: bool = False) -> bool:
-    """The `measure_workspace` planner option: True measures op workspace on the device
-    (remat.frontend.workspace) unless planning is fake (a named device's figures given:
-    nothing may run there, so every workspace is assumed 0); False assumes none; None
-    (not given) is `by_default`. The budget is what the allocator serves, and kernel
-    scratch no tensor holds is part of it: without it the tiny cnn of `remat/zoo.py` at
-    100% reads 10.7% over the prediction with the allocator, a ResNet 24%
-    (bench/README.md, "The budget as the allocator counts it")."""
-    if asked is None:
-        asked = by_default
-    return bool(asked) and device_speed is None
 
 
 def _infeasible(gp: GraphProblem, plan: Plan, budget_bytes: int, baseline: int,

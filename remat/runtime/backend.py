@@ -66,10 +66,10 @@ import torch
 from torch import fx
 
 from remat import distributed
-from remat.budget import check_budget_syntax, format_bytes
-from remat.errors import CompositionError, RematError, UnknownSolverError
+from remat.budget import format_bytes
+from remat.errors import CompositionError, RematError
 from remat.frontend import costs
-from remat.frontend.offloading import check_offload, offload_device, resolve_bandwidth
+from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
@@ -77,11 +77,9 @@ from remat.runtime.inductor import plan_store
 from remat.runtime.step.ledger import StepLedger
 from remat.runtime.step.graph import LedgeredGraph
 from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
-from solvers import SOLVERS
+from remat.settings import OUTPUTS, PlannerSettings
 
 COMPILERS = ("inductor", "eager")
-OUTPUTS = ("all", "loss")
-"""Values of `backend(outputs=...)`: what the caller holds of the step's outputs."""
 
 # Inductor settings remat pins for what it compiles (see the module docstring).
 PINNED_INDUCTOR_CONFIG: dict[str, Any] = {
@@ -98,34 +96,23 @@ class RematBackend:
                  inductor_options: dict[str, Any] | None = None, sync_ranks: bool | None = None,
                  fusion: str = "peak", offload: bool | str = "auto", whole_step: bool = True,
                  outputs: str = "all", **options: Any) -> None:
-        if solver not in SOLVERS:
-            raise UnknownSolverError(f"unknown solver {solver!r}; valid solvers: {sorted(SOLVERS)}")
         if compiler not in COMPILERS:
             raise RematError(f"unknown compiler={compiler!r}; valid compilers: {list(COMPILERS)}")
-        cost_model = cost_model or ("compiled-traffic" if compiler == "inductor" else "eager")
-        if cost_model not in costs.COST_MODELS:
-            raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(costs.COST_MODELS)}")
         if fusion not in FUSION_MODES:
             raise RematError(f"unknown fusion={fusion!r}; valid: {list(FUSION_MODES)}")
-        if outputs not in OUTPUTS:
-            raise RematError(f"unknown outputs={outputs!r}: use \"all\" (every output held until the "
-                             "step ends) or \"loss\" (the caller drops every output but the loss before backward)")
-        check_budget_syntax(budget)
-        check_offload(offload)
+        self.settings = PlannerSettings.for_backend(
+            budget=budget, solver=solver, options=options, sync_ranks=sync_ranks, offload=offload,
+            compiler=compiler, cost_model=cost_model, outputs=outputs)
+        """What every graph is planned with."""
         self.outputs = outputs
-        self.offload = offload
-        self.budget = budget
         self.fusion = fusion
-        self.solver = solver
         self.compiler = compiler
-        self.cost_model = cost_model
         self.cache = cache
         self.mode = mode
         self.inductor_options = dict(inductor_options or {})
         self.options = dict(options)
-        self.sync_ranks = sync_ranks
         self.whole_step = whole_step
-        self.ledger = StepLedger(budget, solver=solver, options=self.options)
+        self.ledger = StepLedger(budget, solver=solver, solver_options=self.settings.solver_options)
         """What the step's graphs hold while each runs (`remat.runtime.step.ledger`)."""
         self._graphs = 0
         self.steps: list[PlannedStep] = []
@@ -138,6 +125,26 @@ class RematBackend:
         self.fusion_estimates: list[FusionEstimate] = []
         """Inductor's own peak estimate of each graph it compiled, before and after fusion."""
 
+    @property
+    def budget(self) -> int | str:
+        return self.settings.budget
+
+    @property
+    def solver(self) -> str:
+        return self.settings.solver
+
+    @property
+    def cost_model(self) -> str:
+        return self.settings.cost_model
+
+    @property
+    def offload(self) -> bool | str:
+        return self.settings.offload
+
+    @property
+    def sync_ranks(self) -> bool | None:
+        return self.settings.sync_ranks
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
         """Compile one graph dynamo captured; `mode`/`options` come from `torch.compile`."""
@@ -149,7 +156,7 @@ class RematBackend:
         if self.whole_step and not _symbolic(gm):
             graph = LedgeredGraph(self._graphs, self.ledger, functools.partial(
                 self._compile, gm, mode=mode, options=options), on_step=self.steps.append,
-                watch_outputs=self.outputs == "loss")
+                drop_outputs=self.settings.drop_outputs)
             self._graphs += 1
             try:
                 return graph.start(example_inputs)
@@ -158,7 +165,7 @@ class RematBackend:
         compiled, step = self._compile(gm, example_inputs, mode=mode, options=options)
         if step is not None:
             self.steps.append(step)
-        if self.outputs == "loss" and step is not None:
+        if self.settings.drop_outputs and step is not None:
             compiled = _Watching(compiled, self._graphs)
             self._graphs += 1
         return compiled
@@ -170,17 +177,10 @@ class RematBackend:
         """One compile of `gm`: the callable and what remat planned (None when torch's
         cache served it or AOTAutograd made no backward)."""
         key = plan_store.plan_key(self.uuid(), gm, example_inputs) if self.cache else None
-        partitioner = Partitioner(num_params=0, budget=self.budget, solver=self.solver,
-                                  options=self.options, started_s=time.perf_counter(),
-                                  cost_model=self.cost_model, sync_ranks=self.sync_ranks,
-                                  offload=self.offload, compiled_offload=self.compiler == "inductor",
+        partitioner = Partitioner(self.settings, num_params=0, started_s=time.perf_counter(),
                                   offload_bandwidth_bytes_per_s=self._bandwidth(example_inputs),
-                                  budget_for=budget_for, best_effort=best_effort,
-                                  drop_outputs=self.outputs == "loss",
-                                  # kernel scratch is what the allocator serves too
-                                  # (the estimate of the generated code counts it alike)
-                                  measure_workspace_by_default=True,
-                                  random_s_per_element=self._random_s_per_element())
+                                  random_s_per_element=self._random_s_per_element(),
+                                  budget_for=budget_for, best_effort=best_effort)
         try:
             if self.compiler == "eager":
                 compiled = _compile_eager(gm, example_inputs, partitioner)

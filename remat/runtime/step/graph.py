@@ -28,10 +28,12 @@ def _peak(step: Any) -> int:
 
 class LedgeredGraph:
     def __init__(self, graph: int, ledger: StepLedger, compile: Compile,
-                 on_step: Callable[[Any], None], *, watch_outputs: bool = False) -> None:
+                 on_step: Callable[[Any], None], *, drop_outputs: bool = False) -> None:
         self.graph = graph
-        self.watch_outputs = watch_outputs
-        """Check at backward that outputs declared dropped are gone (`remat.runtime.dropped`)."""
+        self.drop_outputs = drop_outputs
+        """The caller drops every output but the loss before backward
+        (`PlannerSettings.drop_outputs`): check at backward that they are gone
+        (`remat.runtime.dropped`)."""
         self.ledger = ledger
         self._compile = compile
         self._on_step = on_step
@@ -74,7 +76,7 @@ class LedgeredGraph:
                              held_bytes=held, boundary_bytes=boundary,
                              no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
                              params=seen.params, with_grad=seen.with_grad, counted=seen.counted))
-        if self.watch_outputs:
+        if self.drop_outputs:
             dropped.watch(out, self.graph)
         return out
 

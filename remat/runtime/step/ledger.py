@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,10 +109,11 @@ class StepLedger:
     """What a backend's graphs hold during one step; one per `RematBackend`."""
 
     def __init__(self, budget: int | str, *, solver: str = "auto",
-                 options: dict[str, Any] | None = None) -> None:
+                 solver_options: Mapping[str, Any] | None = None) -> None:
         self.budget = budget
         self.solver = solver
-        self.options = {k: v for k, v in (options or {}).items() if k != "measure_workspace"}
+        self.solver_options = dict(solver_options or {})
+        """The solver's own options (`PlannerSettings.solver_options`), for the split's menus."""
         self.current: list[Call] = []
         self.first_step: tuple[Call, ...] = ()
         self.last_step: tuple[Call, ...] = ()
@@ -288,9 +289,9 @@ class StepLedger:
         menus = {}
         for graph, steps in self.graphs.items():
             problem = steps[0].graph_problem.problem
-            floor = lowest_found(problem, solve(problem.with_budget(0), self.solver, **self.options))
+            floor = lowest_found(problem, solve(problem.with_budget(0), self.solver, **self.solver_options))
             menu = split.menu(problem, baseline_bytes=steps[0].baseline_peak_bytes, floor=floor,
-                              solver=self.solver, options=self.options,
+                              solver=self.solver, options=self.solver_options,
                               planned=[(s.budget_bytes, s.plan) for s in steps])
             menus[graph] = _under_inductor(menu, steps)
         return menus
