@@ -30,6 +30,7 @@ its copy overlaps the backward steps between it and its first reader
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
 
@@ -57,7 +58,22 @@ def evaluate(
         steps += _canonical_backward(problem, decisions)
     else:
         steps += _explicit_backward(problem, decisions, schedule)
-    return _account(problem, decisions, steps, explicit=schedule is not None)
+    life = _lifetimes(problem, decisions, steps, explicit=schedule is not None)
+    timeline, peak, peak_step = _live_bytes(problem, steps, life)
+    bw = problem.offload_bandwidth_bytes_per_s
+    return Evaluation(
+        peak_bytes=peak,
+        peak_step=peak_step,
+        recompute_s=life.recompute_s,
+        offload_bytes=life.offload_bytes,
+        offload_s=life.offload_s,
+        steps=tuple(steps),
+        timeline=tuple(timeline),
+        fits=peak <= problem.budget_bytes,
+        recomputed_ids=tuple(sorted(life.recomputed)),
+        transfer_s=life.transfer_bytes / bw if bw else 0.0,
+        save_s=_save_s(problem, decisions),
+    )
 
 
 def _check_decisions(problem: Problem, decisions: Mapping[int, Decision]) -> None:
@@ -205,12 +221,38 @@ def _exposed_reload_s(problem: Problem, steps: Sequence[Step]) -> float:
     return waited
 
 
-def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[Step],
-             *, explicit: bool = False) -> Evaluation:
-    """Bind reads to instances, find last uses, sweep the live bytes."""
+class _Lifetimes(NamedTuple):
+    """What one pass over the steps finds: each storage's bytes and the steps it is live
+    for, and the costs the steps add up to."""
+
+    initial_bytes: int
+    """PARAM/INPUT bytes, live before step 0 and to the end."""
+    storage_bytes: dict[int, int]
+    """Storage (the instance that allocated it) -> bytes."""
+    storage_start: dict[int, int]
+    """Storage -> the step that allocates it."""
+    storage_end: dict[int, int]
+    """Storage -> the last step that reads any instance on it (`n_steps`: never freed)."""
+    recompute_s: float
+    """Seconds of the RECOMPUTE steps."""
+    recomputed: set[int]
+    """Ids recomputed at least once."""
+    offload_bytes: int
+    """Bytes copied out in forward (OFFLOAD values)."""
+    offload_s: float
+    """Seconds the step waits for copies: what sticks out of the copies out, plus the
+    reloads (each in full, or as `_exposed_reload_s` prices an explicit schedule)."""
+    transfer_bytes: int
+    """Bytes over the link both ways."""
+
+
+def _lifetimes(problem: Problem, decisions: Mapping[int, Decision], steps: list[Step],
+               *, explicit: bool = False) -> _Lifetimes:
+    """Bind every read to the newest instance of the value it reads, find each storage's
+    first and last step, and total the recompute and transfer costs of the steps (the
+    same pass: both walk the steps in order)."""
     nodes = problem.nodes
-    n_steps = len(steps)
-    forever = n_steps  # past the last step: never freed
+    forever = len(steps)  # past the last step: never freed
     newest: dict[int, int] = {}  # node id -> instance id of its newest materialization
     inst_storage: list[int] = []  # instance -> storage instance
     inst_end: list[int] = []  # instance -> last step that reads it
@@ -268,14 +310,24 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
     for inst, s in enumerate(inst_storage):
         if s in storage_start and inst_end[inst] > storage_end.get(s, -1):
             storage_end[s] = inst_end[inst]
+    return _Lifetimes(initial_bytes, storage_bytes, storage_start, storage_end, recompute_s, recomputed,
+                      offload_bytes, offload_s, transfer_bytes)
+
+
+def _live_bytes(problem: Problem, steps: list[Step], life: _Lifetimes) -> tuple[list[int], int, int]:
+    """Sweep the storages' lifetimes into the live bytes at each step: (timeline, peak
+    bytes, peak step; -1 when nothing rises above the initial bytes). A step's entry
+    counts what it allocates, what is still live, and its op's workspace (not a reload's)."""
+    nodes = problem.nodes
+    n_steps = len(steps)
     alloc_at = [0] * n_steps
     free_after = [0] * (n_steps + 1)
-    for s, start in storage_start.items():
-        alloc_at[start] += storage_bytes[s]
-        free_after[storage_end[s]] += storage_bytes[s]
+    for s, start in life.storage_start.items():
+        alloc_at[start] += life.storage_bytes[s]
+        free_after[life.storage_end[s]] += life.storage_bytes[s]
 
-    live = initial_bytes
-    peak, peak_step = initial_bytes, -1
+    live = life.initial_bytes
+    peak, peak_step = live, -1
     timeline = []
     for k in range(n_steps):
         live += alloc_at[k]
@@ -285,22 +337,7 @@ def _account(problem: Problem, decisions: Mapping[int, Decision], steps: list[St
         if now > peak:
             peak, peak_step = now, k
         live -= free_after[k]
-
-    bw = problem.offload_bandwidth_bytes_per_s
-    transfer_s = transfer_bytes / bw if bw else 0.0
-    return Evaluation(
-        peak_bytes=peak,
-        peak_step=peak_step,
-        recompute_s=recompute_s,
-        offload_bytes=offload_bytes,
-        offload_s=offload_s,
-        steps=tuple(steps),
-        timeline=tuple(timeline),
-        fits=peak <= problem.budget_bytes,
-        recomputed_ids=tuple(sorted(recomputed)),
-        transfer_s=transfer_s,
-        save_s=_save_s(problem, decisions),
-    )
+    return timeline, peak, peak_step
 
 
 def _save_s(problem: Problem, decisions: Mapping[int, Decision]) -> float:

@@ -319,7 +319,7 @@ class _Run:
                     stack.append((j, False))
 
     def levels(self, steps: list[tuple[int, int, int]], delta: bool) -> list[int]:
-        """Local live bytes at each step (simulate._account restricted to this block's
+        """Local live bytes at each step (simulate._live_bytes restricted to this block's
         storages and a_{b-1}; a_b is left out between MID and POST, where block b+1
         counts it)."""
         st = self.lifetimes(steps, delta)

@@ -26,7 +26,7 @@ class Terms:
 
 
 class Instances:
-    """Instances and storages as simulate._account keeps them (reads bind to the
+    """Instances and storages as simulate._lifetimes keeps them (reads bind to the
     newest instance; a view shares its base's storage)."""
 
     def __init__(self) -> None:
