@@ -4,12 +4,40 @@ replay tracks, and the max-plus form of a peak over a range of steps."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 NEG = float("-inf")
 
-# Step kinds of the local step list.
-FWD, REC, REL, BWD, MID, POST, NEST, ROOT, END = range(9)
+
+class LocalStepKind(enum.IntEnum):
+    """Kind of a step of the local step list (local.py), its first field."""
+
+    FWD = 0
+    """A forward step of block b (F_b)."""
+    REC = 1
+    """A recomputation of a dropped value of block b."""
+    REL = 2
+    """A reload of an offloaded value (of block b, or a_{b-1})."""
+    BWD = 3
+    """A backward step of block b (G_b)."""
+    MID = 4
+    """The later blocks' phases before the suffix first needs a_b (reads a_b)."""
+    POST = 5
+    """The later blocks' phases after a_b's cascade."""
+    NEST = 6
+    """a_{b-1}'s own cascade, opaque (the P step)."""
+    ROOT = 7
+    """a_{b-1}'s recomputation that ends its cascade (the N step)."""
+    END = 8
+    """Block b-1's reads of a_{b-1}, after G_b."""
+
+
+# The step lists carry the kinds as plain ints, bound here: local.py's hot loops compare
+# them against module globals, and a comparison of two exact ints is the interpreter's
+# fast path, which IntEnum members (an int subclass) miss.
+FWD, REC, REL, BWD, MID, POST, NEST, ROOT, END = map(int, LocalStepKind)
 NO_INSTANCE = frozenset((BWD, MID, POST, NEST, END))
+"""Kinds that make no instance."""
 
 
 @dataclasses.dataclass(frozen=True)
