@@ -36,6 +36,16 @@ def assert_trains_like_eager(loss, loss_eager, model: nn.Module, eager: nn.Modul
         assert torch.equal(b, a), f"{at}buffer {name} differs"
 
 
+def train_step(model, case, seed: int = 0):
+    """One forward + backward of a zoo-style case (`case.args`, `case.kwargs`) under
+    `seed`; the loss is the output when it is a tensor, else its `.loss`. Returns the
+    output, kept alive as a training loop holding its outputs would."""
+    torch.manual_seed(seed)
+    out = model(*case.args, **case.kwargs)
+    (out if isinstance(out, torch.Tensor) else out.loss).backward()
+    return out
+
+
 def needs_torch(major: int, minor: int, why: str):
     """Skip on a torch older than `major.minor`, saying why (what that torch does)."""
     from remat import compat

@@ -36,6 +36,7 @@ from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step, measure_step_profiler
 from solvers import Status, solve
+from nets import train_step
 
 SOLVER = "chen-greedy"
 # (solver, budget): chen-greedy across the budgets; the two extremes where they fit.
@@ -154,15 +155,6 @@ def entry(name: str, solver: str, budget: str) -> Entry:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _step(model, case: zoo.ModelCase, seed: int):
-    """One forward + backward under `seed`; returns the output (kept alive, as a training
-    loop holding its outputs would)."""
-    torch.manual_seed(seed)
-    out = model(*case.args, **case.kwargs)
-    out.loss.backward()
-    return out
-
-
 def _tensor_leaves(out) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
@@ -174,7 +166,7 @@ def count_flops(fn) -> int:
 
 
 def eager_flops(name: str, case: zoo.ModelCase) -> int:
-    return _cached(_EAGER_FLOPS, name, lambda: count_flops(lambda: _step(copy.deepcopy(case.model), case, 0)))
+    return _cached(_EAGER_FLOPS, name, lambda: count_flops(lambda: train_step(copy.deepcopy(case.model), case, 0)))
 
 
 def recomputes_flop_op(planned: remat.Planned) -> bool:
@@ -236,8 +228,8 @@ def test_training_matches_eager(name, solver, budget):
     reference_state = _compiling_state_context if planned.step.library_trace_path else contextlib.nullcontext
     for k in range(1, STEPS + 1):
         with reference_state():
-            out_eager = _step(eager, case, k)
-        out_planned = _step(planned, case, k)
+            out_eager = train_step(eager, case, k)
+        out_planned = train_step(planned, case, k)
         leaves_eager, leaves_planned = _tensor_leaves(out_eager), _tensor_leaves(out_planned)
         assert len(leaves_planned) == len(leaves_eager)
         for i, (a, b) in enumerate(zip(leaves_planned, leaves_eager)):
@@ -291,9 +283,9 @@ def _measured_peaks(name: str, solver: str, budget: str) -> Peaks:
     register = (case.model, *case.args, *case.kwargs.values())
 
     def make():
-        allocator = measure_step_profiler(lambda: _step(planned, case, 0), register=register).peak_bytes
+        allocator = measure_step_profiler(lambda: train_step(planned, case, 0), register=register).peak_bytes
         e.restore()
-        tracker = measure_step(lambda: _step(planned, case, 0), register=register).peak_bytes
+        tracker = measure_step(lambda: train_step(planned, case, 0), register=register).peak_bytes
         e.restore()
         return Peaks(allocator=allocator, tracker=tracker)
 
@@ -340,7 +332,7 @@ def test_no_extra_flops_at_full_budget(name, solver, budget):
     problem = planned.step.graph_problem.problem
     # only views are recomputed (a saved value's views come from it: solvers.shared_storage)
     assert all(problem.nodes[i].alias_of is not None for i in planned.step.evaluation.recomputed_ids)
-    assert count_flops(lambda: _step(planned, case, 0)) == eager_flops(name, case)
+    assert count_flops(lambda: train_step(planned, case, 0)) == eager_flops(name, case)
 
 
 def _monotone_params():
@@ -360,7 +352,7 @@ def test_flops_grow_as_budget_shrinks(name):
     for solver, budget in KEYS:
         e = entry(name, solver, budget)
         if e.planned is not None:
-            flops = count_flops(lambda: _step(e.planned, e.case, 0))
+            flops = count_flops(lambda: train_step(e.planned, e.case, 0))
             runs.append((solver, budget, e.planned, flops))
     greedy = sorted((r for r in runs if r[0] == SOLVER), key=lambda r: -r[2].budget_bytes)
     assert greedy[0][1] == "100%" and greedy[-1][1] == "min"

@@ -11,6 +11,7 @@ from remat import zoo
 from remat.errors import RematError
 from remat.frontend.problem import FORWARD_END
 from remat.measure import measure_step
+from nets import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,17 +20,10 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _step(module, case):
-    torch.manual_seed(1)
-    out = module(*case.args, **case.kwargs)  # held until the step ends, as a caller may
-    out.loss.backward()
-    return out
-
-
 @pytest.fixture(scope="module")
 def gpt2():
     case = zoo.build("gpt2", size="tiny")
-    logits = _step(case.model, case).logits
+    logits = train_step(case.model, case, seed=1).logits
     grads = _grads(case.model)
     case.model.zero_grad(set_to_none=True)
     return case, logits.numel() * logits.element_size(), grads
@@ -44,11 +38,11 @@ def test_loss_only_returns_none_for_the_rest_and_frees_their_bytes(gpt2):
     assert kept.baseline_peak_bytes - dropped.baseline_peak_bytes == logits_bytes
     assert dropped.budget_bytes == dropped.baseline_peak_bytes // 2
 
-    out = _step(dropped, case)
+    out = train_step(dropped, case, seed=1)
     assert out.logits is None and out.loss is not None and type(out).__name__ == "CausalLMOutputWithCrossAttentions"
     assert all(torch.equal(g, eager_grads[n]) for n, g in _grads(model).items())
     model.zero_grad(set_to_none=True)
-    measured = measure_step(lambda: _step(dropped, case).loss, register=register).peak_bytes
+    measured = measure_step(lambda: train_step(dropped, case, seed=1).loss, register=register).peak_bytes
     assert measured == dropped.predicted_peak_bytes <= dropped.budget_bytes
     model.zero_grad(set_to_none=True)
 

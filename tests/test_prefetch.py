@@ -15,40 +15,26 @@ from hypothesis import strategies as st
 
 import remat
 from remat.measure import measure_step
-from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, evaluate, simulate, solve
+from solvers import Decision, Plan, Problem, Status, StepKind, evaluate, simulate, solve
 from solvers.prefetch import prefetch, prefetched_ids
+from chains import chain
 from nets import Tower
 from strategies import problems
 
 S, O = Decision.SAVE, Decision.OFFLOAD
-F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT
 
 
 def _chain(gc_s: float, gb_s: float, budget: int) -> Problem:
-    """x -> a -> b -> c -> d(loss); backward t, gc (gc_s s), gb (gb_s s), ga (1 s);
-    bandwidth 50 B/s: a's 100 bytes take 2 s each way.
+    """The chain of tests/chains.py at prefetch's costs (kept here: its timeline is what
+    these tests work from): gc gc_s s, gb gb_s s, ga 1 s; bandwidth 50 B/s: a's 100 bytes
+    take 2 s each way.
 
     With a OFFLOAD, b and c SAVE, canonical timeline (tests/test_simulate.py):
     Fa 110, Fb 210 (a leaves -> 110), Fc 210, Fd 214; Bt 218; Bgc 318 (t, c die -> 214);
     Bgb 314 (gc, b die -> 114); Ra 214; Bga 314. Peak 318; the reload shows in full, 2 s.
     Reload before gb: Bgc 318 -> 214; Ra 314; Bgb 414 -> 214; Bga 314. Peak 414.
     Reload before gc: Bt 218; Ra 318; Bgc 418 -> 314; Bgb 414; Bga 314. Peak 418."""
-    return Problem(
-        nodes=(
-            Node(name="x", inputs=(), out_bytes=10, phase=I),
-            Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0),
-            Node(name="b", inputs=(1,), out_bytes=100, phase=F, compute_s=2.0),
-            Node(name="c", inputs=(2,), out_bytes=100, phase=F, compute_s=4.0),
-            Node(name="d", inputs=(3,), out_bytes=4, phase=F, compute_s=8.0),
-            Node(name="t", inputs=(), out_bytes=4, phase=B),
-            Node(name="gc", inputs=(5, 3), out_bytes=100, phase=B, compute_s=gc_s),
-            Node(name="gb", inputs=(6, 2), out_bytes=100, phase=B, compute_s=gb_s),
-            Node(name="ga", inputs=(7, 1), out_bytes=100, phase=B, compute_s=1.0),
-        ),
-        outputs=(4, 8),
-        budget_bytes=budget,
-        offload_bandwidth_bytes_per_s=50.0,
-    )
+    return chain(gc_s=gc_s, gb_s=gb_s, ga_s=1.0, bandwidth=50.0, budget=budget)
 
 
 def _offload_a(problem: Problem) -> Plan:

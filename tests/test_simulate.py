@@ -1,5 +1,6 @@
 """The memory model on hand-computed cases: every expected number is derived in the
-comments from the rules in solvers/simulate.py, never copied from its output."""
+comments from the rules in solvers/simulate.py, never copied from its output (most run on
+the chain of tests/chains.py)."""
 
 from __future__ import annotations
 
@@ -9,42 +10,10 @@ import pytest
 
 from solvers import Decision, Node, Phase, Plan, PlanError, Problem, Status, StepKind, simulate
 from solvers.simulate import evaluate
+from chains import chain
 
 S, R, O = Decision.SAVE, Decision.RECOMPUTE, Decision.OFFLOAD
 F, B, I, P = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT, Phase.PARAM
-
-
-def _chain(*, bandwidth: float | None = None, budget: int = 10_000, c_recomputable: bool = True) -> Problem:
-    """x -> a -> b -> c -> d(loss); backward: t (tangent), gc, gb, ga.
-
-    id  name  phase  bytes  compute  reads
-    0   x     input   10
-    1   a     fwd    100    1.0      x
-    2   b     fwd    100    2.0      a
-    3   c     fwd    100    4.0      b
-    4   d     fwd      4    8.0      c        (the loss, an output)
-    5   t     bwd      4             -        (loss tangent)
-    6   gc    bwd    100             t, c
-    7   gb    bwd    100             gc, b
-    8   ga    bwd    100             gb, a    (an output)
-    decision_ids = (1, 2, 3): c, b, a are read by backward; d is not.
-    """
-    return Problem(
-        nodes=(
-            Node(name="x", inputs=(), out_bytes=10, phase=I),
-            Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0),
-            Node(name="b", inputs=(1,), out_bytes=100, phase=F, compute_s=2.0),
-            Node(name="c", inputs=(2,), out_bytes=100, phase=F, compute_s=4.0, recomputable=c_recomputable),
-            Node(name="d", inputs=(3,), out_bytes=4, phase=F, compute_s=8.0),
-            Node(name="t", inputs=(), out_bytes=4, phase=B),
-            Node(name="gc", inputs=(5, 3), out_bytes=100, phase=B),
-            Node(name="gb", inputs=(6, 2), out_bytes=100, phase=B),
-            Node(name="ga", inputs=(7, 1), out_bytes=100, phase=B),
-        ),
-        outputs=(4, 8),
-        budget_bytes=budget,
-        offload_bandwidth_bytes_per_s=bandwidth,
-    )
 
 
 def _plan(a: Decision, b: Decision, c: Decision) -> dict[int, Decision]:
@@ -52,8 +21,8 @@ def _plan(a: Decision, b: Decision, c: Decision) -> dict[int, Decision]:
 
 
 def test_chain_decision_ids():
-    assert _chain().decision_ids == (1, 2, 3)
-    assert _chain().needed_ids == frozenset({1, 2, 3})
+    assert chain().decision_ids == (1, 2, 3)
+    assert chain().needed_ids == frozenset({1, 2, 3})
 
 
 def test_chain_all_save():
@@ -61,7 +30,7 @@ def test_chain_all_save():
     # Fa 10+100=110; Fb 210; Fc 310; Fd 314 (all saved, nothing freed in forward);
     # Bt 318; Bgc 418, then c (last use) and t free -> 314; Bgb 414, b and gc free -> 214;
     # Bga 314, a and gb free -> 114 (x, d, ga remain). Peak 418 at Bgc (step 5). Cost 0.
-    ev = evaluate(_chain(), _plan(S, S, S))
+    ev = evaluate(chain(), _plan(S, S, S))
     assert ev.timeline == (110, 210, 310, 314, 318, 418, 414, 314)
     assert (ev.peak_bytes, ev.peak_step) == (418, 5)
     assert ev.recompute_s == 0.0 and ev.cost_s == 0.0 and ev.offload_bytes == 0
@@ -74,7 +43,7 @@ def test_chain_all_recompute():
     # Bt 18. gc needs c -> needs b -> needs a: Ra 118, Rb 218, Rc 318 (a and b stay: ga and
     # gb read them later). Bgc 418 -> c,t free -> 314. Bgb 414 -> b,gc free -> 214.
     # Bga 314 -> 114. Peak 418 at Bgc (step 8); cost 1+2+4 = 7.
-    ev = evaluate(_chain(), _plan(R, R, R))
+    ev = evaluate(chain(), _plan(R, R, R))
     assert ev.timeline == (110, 210, 210, 114, 18, 118, 218, 318, 418, 414, 314)
     assert (ev.peak_bytes, ev.peak_step) == (418, 8)
     assert ev.recompute_s == 7.0 and ev.cost_s == 7.0
@@ -87,7 +56,7 @@ def test_chain_mixed_recompute_first():
     # a RECOMPUTE, b and c SAVE: Fa 110; Fb 210 (a freed -> 110); Fc 210; Fd 214; Bt 218;
     # Bgc 318 -> c,t free -> 214; Bgb 314 -> b,gc free -> 114; Ra 214; Bga 314 -> 114.
     # Peak 318 at Bgc (step 5), 100 below all-SAVE, for cost 1.0 (a once).
-    ev = evaluate(_chain(), _plan(R, S, S))
+    ev = evaluate(chain(), _plan(R, S, S))
     assert ev.timeline == (110, 210, 210, 214, 218, 318, 314, 214, 314)
     assert (ev.peak_bytes, ev.peak_step, ev.cost_s) == (318, 5, 1.0)
     assert ev.fits
@@ -96,19 +65,19 @@ def test_chain_mixed_recompute_first():
 def test_chain_mixed_recompute_last():
     # c RECOMPUTE only: Fa 110; Fb 210; Fc 310; Fd 314 (c freed -> 214); Bt 218;
     # Rc 318 (reads the saved b); Bgc 418. Peak 418 (step 6), cost 4.0: no gain.
-    ev = evaluate(_chain(), _plan(S, S, R))
+    ev = evaluate(chain(), _plan(S, S, R))
     assert (ev.peak_bytes, ev.peak_step, ev.cost_s) == (418, 6, 4.0)
     assert ev.timeline[:7] == (110, 210, 310, 314, 218, 318, 418)
 
 
 def test_fits_is_inclusive():
-    assert evaluate(_chain(budget=318), _plan(R, S, S)).fits
-    assert not evaluate(_chain(budget=317), _plan(R, S, S)).fits
+    assert evaluate(chain(budget=318), _plan(R, S, S)).fits
+    assert not evaluate(chain(budget=317), _plan(R, S, S)).fits
 
 
 def test_plan_object_and_mapping_agree():
     plan = Plan(decisions=_plan(R, S, S), status=Status.FEASIBLE, solver="hand", objective_s=1.0, peak_bytes=318)
-    assert simulate(_chain(), plan) == simulate(_chain(), _plan(R, S, S))
+    assert simulate(chain(), plan) == simulate(chain(), _plan(R, S, S))
 
 
 # ---- views ----
@@ -175,7 +144,7 @@ def test_offload_lowers_peak_with_exact_transfer():
     # offload_bytes = 100; transfer 100 out + 100 back at 100 B/s = 2.0 s. The copy out
     # starts after Fb and overlaps Fc + Fd (12 s of compute): hidden; the reload is
     # waited for: 1.0 s exposed. No recompute.
-    ev = evaluate(_chain(bandwidth=100.0), _plan(O, S, S))
+    ev = evaluate(chain(bandwidth=100.0), _plan(O, S, S))
     assert ev.timeline == (110, 210, 210, 214, 218, 318, 314, 214, 314)
     assert ev.peak_bytes == 318
     assert ev.offload_bytes == 100 and ev.transfer_s == 2.0 and ev.recompute_s == 0.0
@@ -189,7 +158,7 @@ def test_offload_then_recompute_from_reloaded():
     # freed -> 110); Fd 114; Bt 118; Bgc 218 -> c,t free -> 114; before gb: reload a
     # (214), recompute b (314); Bgb 414 -> b,gc free -> 214; Bga 314 -> 114.
     # Peak 414; cost = b 2.0 + the reload 100 B / 100 B/s = 3.0 (the copy out is hidden).
-    ev = evaluate(_chain(bandwidth=100.0), _plan(O, R, S))
+    ev = evaluate(chain(bandwidth=100.0), _plan(O, R, S))
     assert ev.timeline == (110, 210, 210, 114, 118, 218, 214, 314, 414, 314)
     assert ev.peak_bytes == 414 and ev.cost_s == 3.0
 
@@ -198,7 +167,7 @@ def test_offload_store_is_exposed_beyond_the_forward_compute_it_overlaps():
     # Bandwidth 10 B/s: 10 s per copy. b's copy out starts after Fc (its last forward
     # use) and overlaps Fd only (8 s): 2 s stick out; its reload shows in full (10 s).
     # c's copy out starts after Fd, the last forward node: nothing hides it.
-    p = _chain(bandwidth=10.0)
+    p = chain(bandwidth=10.0)
     assert p.store_overlap_s[1:4] == (12.0, 8.0, 0.0)
     ev = evaluate(p, _plan(S, O, S))
     assert (ev.transfer_s, ev.offload_s, ev.hidden_transfer_s) == (20.0, 12.0, 8.0)
@@ -216,16 +185,16 @@ def test_explicit_schedule_recomputes_twice_with_lower_peak():
     # Rc 218 (b -> 118); Bgc 218 (c,t -> 114); Ra 214; Rb 314 (a -> 214); Bgb 314
     # (b,gc -> 114); Ra 214; Bga 314. Peak 314 at step 10; cost a*3 + b*2 + c = 11.
     schedule = (5, 1, 2, 3, 6, 1, 2, 7, 1, 8)
-    ev = evaluate(_chain(), _plan(R, R, R), schedule)
+    ev = evaluate(chain(), _plan(R, R, R), schedule)
     assert ev.timeline == (110, 210, 210, 114, 18, 118, 218, 218, 218, 214, 314, 314, 214, 314)
     assert (ev.peak_bytes, ev.peak_step) == (314, 10)
     assert ev.recompute_s == 11.0 and ev.recomputed_ids == (1, 2, 3)
-    assert ev.peak_bytes < evaluate(_chain(), _plan(R, R, R)).peak_bytes
+    assert ev.peak_bytes < evaluate(chain(), _plan(R, R, R)).peak_bytes
 
 
 def test_explicit_schedule_equal_to_canonical():
     # The canonical order written out gives the canonical evaluation.
-    assert evaluate(_chain(), _plan(R, S, S), (5, 6, 7, 1, 8)) == evaluate(_chain(), _plan(R, S, S))
+    assert evaluate(chain(), _plan(R, S, S), (5, 6, 7, 1, 8)) == evaluate(chain(), _plan(R, S, S))
 
 
 @pytest.mark.parametrize(
@@ -244,14 +213,14 @@ def test_explicit_schedule_equal_to_canonical():
 )
 def test_explicit_schedule_errors_name_the_first_bad_step(decisions, schedule, message):
     with pytest.raises(PlanError) as err:
-        evaluate(_chain(), decisions, schedule)
+        evaluate(chain(), decisions, schedule)
     assert message in str(err.value)
 
 
 def test_explicit_schedule_rejects_recomputing_non_recomputable():
     # c is not recomputable; "dropping" it and scheduling its recompute is an error.
     with pytest.raises(PlanError, match=r"schedule\[1\] = 3 \('c'\): node is not recomputable"):
-        evaluate(_chain(c_recomputable=False), _plan(S, S, R), (5, 3, 6, 7, 8))
+        evaluate(chain(c_recomputable=False), _plan(S, S, R), (5, 3, 6, 7, 8))
 
 
 # ---- plan errors ----
@@ -259,18 +228,18 @@ def test_explicit_schedule_rejects_recomputing_non_recomputable():
 
 def test_missing_and_extra_decisions():
     with pytest.raises(PlanError, match=r"missing \[3\], not decision values \[\]"):
-        evaluate(_chain(), {1: S, 2: S})
+        evaluate(chain(), {1: S, 2: S})
     with pytest.raises(PlanError, match=r"missing \[\], not decision values \[4\]"):
-        evaluate(_chain(), {1: S, 2: S, 3: S, 4: S})
+        evaluate(chain(), {1: S, 2: S, 3: S, 4: S})
 
 
 def test_offload_when_disallowed():
     with pytest.raises(PlanError, match=r"node 1 \('a'\): offload not allowed: offload is disabled"):
-        evaluate(_chain(), _plan(O, S, S))
+        evaluate(chain(), _plan(O, S, S))
 
 
 def test_offload_of_non_offloadable_node():
-    p = _chain(bandwidth=100.0)
+    p = chain(bandwidth=100.0)
     nodes = list(p.nodes)
     nodes[1] = Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0, offloadable=False)
     p = Problem(nodes=tuple(nodes), outputs=p.outputs, budget_bytes=1000, offload_bandwidth_bytes_per_s=100.0)
@@ -281,12 +250,12 @@ def test_offload_of_non_offloadable_node():
 
 def test_dropping_needed_non_recomputable_value():
     with pytest.raises(PlanError, match=r"node 3 \('c'\) is not recomputable .* backward node 6 \('gc'\) needs it"):
-        evaluate(_chain(c_recomputable=False), _plan(S, S, R))
+        evaluate(chain(c_recomputable=False), _plan(S, S, R))
 
 
 def test_dropping_non_recomputable_value_nobody_needs_is_fine():
     # A non-recomputable value backward does not read is not even a decision value.
-    p = _chain(c_recomputable=False)
+    p = chain(c_recomputable=False)
     nodes = list(p.nodes)
     nodes[6] = Node(name="gc", inputs=(5,), out_bytes=100, phase=B)
     p = Problem(nodes=tuple(nodes), outputs=p.outputs, budget_bytes=1000)

@@ -19,6 +19,7 @@ import torch
 import remat
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step, measure_step_profiler
+from nets import train_step
 
 _VOCAB, _BATCH, _SEQ = 2048, 2, 32  # embeddings dominate: the gradient sum decides the floor
 
@@ -66,19 +67,12 @@ def _build(name: str):
                         generator=torch.Generator().manual_seed(1))
     case = types.SimpleNamespace(model=model, args=(ids,), kwargs={"labels": ids}, tied=tied)
     _clear(model)
-    _step(model, case)
+    train_step(model, case)
     case.eager_grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(InfeasibleBudgetError) as info:
         remat.plan(model, case.args, case.kwargs, budget=1, time_limit_s=0.5)
     case.floor = info.value.min_peak_bytes
     return case
-
-
-def _step(model, case):
-    torch.manual_seed(0)
-    out = model(*case.args, **case.kwargs)
-    (out if isinstance(out, torch.Tensor) else out.loss).backward()
-    return out
 
 
 def _clear(model):
@@ -109,11 +103,11 @@ def test_tied_weights_are_summed_in_place_inside_the_plan(name, at):
 
     register = (model, *case.args, *case.kwargs.values())
     _clear(model)
-    allocator = measure_step_profiler(lambda: _step(planned, case), register=register).peak_bytes
+    allocator = measure_step_profiler(lambda: train_step(planned, case), register=register).peak_bytes
     grads = [p.grad for p in model.parameters()]
     assert all(torch.equal(g, e) for g, e in zip(grads, case.eager_grads, strict=True))
     _clear(model)
-    tracker = measure_step(lambda: _step(planned, case), register=register).peak_bytes
+    tracker = measure_step(lambda: train_step(planned, case), register=register).peak_bytes
     predicted = planned.predicted_peak_bytes
     assert allocator <= planned.budget_bytes
     assert allocator <= predicted <= allocator * 1.03

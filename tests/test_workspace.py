@@ -21,6 +21,7 @@ from remat.frontend import workspace
 from remat.errors import InfeasibleBudgetError
 from remat.measure import measure_step, measure_step_profiler
 from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, simulate
+from nets import train_step
 
 
 def _chain_with_workspace(offload: bool) -> Problem:
@@ -53,21 +54,14 @@ def test_simulate_counts_workspace_while_the_op_runs(decision):
     assert ev.peak_bytes == max(ev.timeline)
 
 
-def _step(model, case):
-    torch.manual_seed(0)
-    out = model(*case.args, **case.kwargs)
-    (out if isinstance(out, torch.Tensor) else out.loss).backward()
-    return out
-
-
 def _measure(planned, case):
     register = (case.model, *case.args, *case.kwargs.values())
     for p in case.model.parameters():
         p.grad = None
-    allocator = measure_step_profiler(lambda: _step(planned, case), register=register).peak_bytes
+    allocator = measure_step_profiler(lambda: train_step(planned, case), register=register).peak_bytes
     for p in case.model.parameters():
         p.grad = None
-    tracker = measure_step(lambda: _step(planned, case), register=register).peak_bytes
+    tracker = measure_step(lambda: train_step(planned, case), register=register).peak_bytes
     return allocator, tracker
 
 
