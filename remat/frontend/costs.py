@@ -373,7 +373,7 @@ def node_cost_s(node: torch.fx.Node, speed: DeviceSpeed) -> float:
 # --- Cost models -----------------------------------------------------------------------
 
 COST_MODELS = ("eager", "compiled", "compiled-traffic")
-"""How a node's time is estimated (`Partitioner(cost_model=...)`, `remat.plan`/`remat.backend`):
+"""How a node's time is estimated (`PlannerSettings.cost_model`, from `remat.plan`/`remat.backend`):
 
 - ``"eager"``: every op runs as its own kernel: the roofline of its FLOPs and of all the
   bytes it reads and writes. Right for `remat.plan` and `compiler="eager"`.
