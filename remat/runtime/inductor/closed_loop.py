@@ -83,7 +83,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         budget_bytes, at_floor = partitioner.step.budget_bytes, False
     except InfeasibleBudgetError as e:  # below remat's floor op by op: the floor's margin decides
         budget_bytes, at_floor = e.budget_bytes, True
-        partitioner.budget = e.min_peak_bytes
+        partitioner.budget = _planned_past(e).min_peak_bytes
         log.info("remat: planning at the floor, %d B", e.min_peak_bytes)
         fw, bw = partitioner(joint, joint_inputs, **kwargs)
     step = partitioner.step
@@ -124,7 +124,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
         except InfeasibleBudgetError as e:  # below the floor: the floor's own margin decides
             at_floor = True
-            partitioner.budget = e.min_peak_bytes
+            partitioner.budget = _planned_past(e).min_peak_bytes
             log.info("remat: replanning at the floor, %d B", e.min_peak_bytes)
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
         step = partitioner.step
@@ -135,6 +135,14 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                                            fusion_graph_bytes=tuple(generated),
                                            no_remat_margin_bytes=no_remat[1] if no_remat else None)
     return fw, bw
+
+
+def _planned_past(error: BaseException) -> BaseException:
+    """`error`, caught and planned past, without its traceback: its frames run up to the
+    compile's caller, which is the frame that goes on to hold the model's outputs, and a
+    frame whose locals were read (a snapshot holding `error`) closes a cycle that only
+    the garbage collector frees; outputs held so fail `outputs="loss"`'s check."""
+    return error.with_traceback(None)
 
 
 def _of_inductors_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
