@@ -14,11 +14,11 @@ as the assumption (`GraphProblem` callers log it).
 
 Measuring allocates real memory, and it may run inside a training step (a planned
 module called with a new input shape plans that shape first). So an op runs only when
-its fresh arguments, outputs and scratch fit under `limit_bytes` (what the budget leaves
-beside the values live at the call), and nothing runs while a profiler records (a second
+its fresh arguments and outputs fit under `limit_bytes` (what the budget leaves beside
+the values live at the call), and nothing runs while a profiler records (a second
 profiler session would end the user's). An op not run takes its workspace from the cache
 at this shape, else `bounded`: the largest measured for the same op at any shape, scaled
-by how much larger this call's arguments are.
+by how much larger this call's arguments are (0 for an op never measured).
 """
 
 from __future__ import annotations
