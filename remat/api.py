@@ -24,14 +24,14 @@ from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
 from remat.planner import Partitioner, PlannedStep
 from remat.report import summary
-from remat.settings import PlannerSettings
+from remat.settings import PlannerSettings, SettingsView
 from remat.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from solvers import Plan
 
 log = logging.getLogger(__name__)
 
 
-class Planned(nn.Module):
+class Planned(SettingsView, nn.Module):
     """The model, rematerialized. Shares the model's parameters, buffers and submodules
     (same `state_dict()` keys, same Parameter objects), so optimizers and checkpoints
     work unchanged. Calling it runs the planned forward; `.loss.backward()` runs the
@@ -65,22 +65,6 @@ class Planned(nn.Module):
     def settings(self) -> PlannerSettings:
         """What every input signature is planned with (`PlannerSettings.for_eager`)."""
         return self.__dict__["_remat_settings"]
-
-    @property
-    def budget(self) -> int | str:
-        return self.settings.budget
-
-    @property
-    def solver(self) -> str:
-        return self.settings.solver
-
-    @property
-    def sync_ranks(self) -> bool | None:
-        return self.settings.sync_ranks
-
-    @property
-    def offload(self) -> bool | str:
-        return self.settings.offload
 
     def train(self, mode: bool = True) -> "Planned":
         self.model.train(mode)

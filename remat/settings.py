@@ -127,6 +127,29 @@ class PlannerSettings:
                    drop_outputs=outputs == "loss", measure_workspace=_asked(planner.get("measure_workspace")))
 
 
+class SettingsView:
+    """The user-facing settings of an entry point's `settings`, read-only (`Planned`,
+    `RematBackend`)."""
+
+    settings: PlannerSettings
+
+    @property
+    def budget(self) -> int | str:
+        return self.settings.budget
+
+    @property
+    def solver(self) -> str:
+        return self.settings.solver
+
+    @property
+    def sync_ranks(self) -> bool | None:
+        return self.settings.sync_ranks
+
+    @property
+    def offload(self) -> bool | str:
+        return self.settings.offload
+
+
 def check_settings(*, budget: Any, solver: Any, offload: Any, cost_model: Any, outputs: Any) -> None:
     """Refuse a bad setting before anything is traced, naming the argument and the valid
     values (a `RematError`)."""

@@ -77,7 +77,7 @@ from remat.runtime.inductor import plan_store
 from remat.runtime.step.ledger import StepLedger
 from remat.runtime.step.graph import LedgeredGraph
 from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
-from remat.settings import OUTPUTS, PlannerSettings
+from remat.settings import OUTPUTS, PlannerSettings, SettingsView
 
 COMPILERS = ("inductor", "eager")
 
@@ -88,7 +88,7 @@ PINNED_INDUCTOR_CONFIG: dict[str, Any] = {
 }
 
 
-class RematBackend:
+class RematBackend(SettingsView):
     """A callable `torch.compile` backend that records what it planned."""
 
     def __init__(self, *, budget: int | str, solver: str = "auto", compiler: str = "inductor",
@@ -126,24 +126,8 @@ class RematBackend:
         """Inductor's own peak estimate of each graph it compiled, before and after fusion."""
 
     @property
-    def budget(self) -> int | str:
-        return self.settings.budget
-
-    @property
-    def solver(self) -> str:
-        return self.settings.solver
-
-    @property
     def cost_model(self) -> str:
         return self.settings.cost_model
-
-    @property
-    def offload(self) -> bool | str:
-        return self.settings.offload
-
-    @property
-    def sync_ranks(self) -> bool | None:
-        return self.settings.sync_ranks
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
