@@ -25,21 +25,7 @@ import textwrap
 import time
 from pathlib import Path
 
-FACTORY = textwrap.dedent('''
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-
-    def build(layers=32, batch_size=1, seq_len=2048):
-        # LLaMA-7B (Touvron et al. 2023, table 2)
-        config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
-                             num_key_value_heads=32, num_hidden_layers=layers, vocab_size=32000,
-                             max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa")
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-            ids = torch.randint(0, 32000, (batch_size, seq_len))
-        return model, (ids,), {"labels": ids}
-''')
+FACTORY = Path(__file__).resolve().parents[1] / "examples" / "llama7b_factory.py"
 
 # Runs the CLI and writes the stages it logged beside the report.
 RUN = textwrap.dedent('''
@@ -75,11 +61,10 @@ PLANNING = ("trace", "profile", "solve", "rewrite")
 def run(layers: int, budget: str, solver: str, points: int, profile: str | None, warm: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        (tmp / "llama7b.py").write_text(FACTORY)
         stages_file = profile or str(tmp / "stages.json")
         # cold: dp's block tables are built, not read from an earlier run's disk cache
         cache = {} if warm else {"REMAT_CACHE_DIR": str(tmp / "cache")}
-        argv = ["report", f"{tmp / 'llama7b.py'}:build", "--fake", "--device", "h100", "--budget", budget,
+        argv = ["report", f"{FACTORY}:build", "--fake", "--device", "h100", "--budget", budget,
                 "--set", f"layers={layers}", "--solver", solver, "--pareto-points", str(points),
                 "--out", str(tmp / "report"), "--quiet"]
         started = time.perf_counter()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,21 +17,7 @@ from remat.frontend.fake import build_fake
 
 pytest.importorskip("transformers")
 
-LLAMA_FILE = textwrap.dedent('''
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-
-    def build(layers=2, batch_size=1, seq_len=2048):
-        # LLaMA-7B's shapes (Touvron et al. 2023, table 2), fewer layers
-        config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
-                             num_key_value_heads=32, num_hidden_layers=layers, vocab_size=32000,
-                             max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa")
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-            ids = torch.randint(0, 32000, (batch_size, seq_len))
-        return model, (ids,), {"labels": ids}
-''')
+LLAMA_7B = Path(__file__).resolve().parents[1] / "examples" / "llama7b_factory.py"
 
 RUN_AND_REPORT_RSS = textwrap.dedent('''
     import resource, sys
@@ -42,10 +29,9 @@ RUN_AND_REPORT_RSS = textwrap.dedent('''
 
 
 def test_fake_plans_a_llama_7b_shaped_model_without_allocating_it(tmp_path):
-    (tmp_path / "llama7b.py").write_text(LLAMA_FILE)
     out = tmp_path / "report"
-    argv = [f"{tmp_path / 'llama7b.py'}:build", "--budget", "85%", "--fake", "--device", "h100",
-            "--set", "batch_size=4", "--out", str(out), "--pareto-points", "5", "--solver", "chen-greedy",
+    argv = [f"{LLAMA_7B}:build", "--budget", "85%", "--fake", "--device", "h100",
+            "--set", "layers=2", "--set", "batch_size=4", "--out", str(out), "--pareto-points", "5", "--solver", "chen-greedy",
             "--quiet"]
     run = subprocess.run([sys.executable, "-c", RUN_AND_REPORT_RSS, "report", *argv], capture_output=True,
                          text=True, timeout=600,
