@@ -2,18 +2,20 @@
 device the trace does not know (`frontend.profile.made_at_run`), and the caching
 allocator's block rounding.
 
-SDPA's fused CUDA kernels return their Philox seed and offset as tensors whose device
-is chosen when the kernel runs, so the trace holds them as meta tensors in a graph on a
-real device. A stand-in op with the same shape runs here on CPU: it returns a host seed,
-its fake kernel a meta one, and its backward reads the seed. Offloading that seed made
-the backward reload it onto "meta" and write through its null storage (a segmentation
-fault, as on the GPU); measuring the backward's workspace would hand a kernel a meta
-stand-in. Neither happens: the seed is never offloaded, and ops reading it are not run
-for their workspace."""
+SDPA's fused CUDA kernels return their Philox seed and offset as host tensors, yet
+fake tensors trace them on the GPU. Their backward kernels dereference the seed's
+pointer on the host, so a GPU stand-in (built to measure the backward's workspace, or
+reloaded after an offload) is a segmentation fault: it was, on an H200. Traced here on
+fake CUDA tensors, no GPU needed. A custom op whose fake returns a meta seed stands in
+for the same at run time: its backward reads the host seed, and offloading that seed
+made the backward reload it onto "meta" and write through its null storage. Neither
+happens: such a seed is never offloaded, and ops reading it are not run for their
+workspace."""
 
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -113,6 +115,41 @@ def test_an_op_reading_a_seed_made_at_run_is_not_run_for_its_workspace(monkeypat
     targets = {node.target for node in ran}
     assert torch.ops.aten.addmm.default in targets  # the rest was measured
     assert torch.ops.remat_test.seeded_double_backward.default not in targets
+
+
+def _attention_traced_on_fake_cuda():
+    """A forward and backward through SDPA's efficient and flash kernels with dropout,
+    traced on fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def step(q):
+        out = aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1, True)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            out[0], q, q, q, None, out[0], out[1], out[2], out[3], 0.1, [True, True, True, False], True)
+        flash = aten._scaled_dot_product_flash_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), 0.1, True)
+        return grads[0], flash[0], flash[6], flash[7]
+
+    with FakeTensorMode():
+        return make_fx(step)(torch.empty(2, 4, 128, 32, device="cuda"))
+
+
+def test_sdpa_philox_state_traced_on_cuda_is_made_at_run():
+    from remat.frontend.profile import made_at_run
+
+    graph = _attention_traced_on_fake_cuda().graph
+    getitems = {(n.args[0].target, n.args[1]): n for n in graph.nodes if n.target is operator.getitem}
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    seeds = {getitems[efficient, 2], getitems[efficient, 3], getitems[flash, 6], getitems[flash, 7]}
+    assert all(tensor.meta["val"].device.type == "cuda" for tensor in seeds)  # what the trace says
+    assert {n for n in getitems.values() if made_at_run(n, "cuda")} == seeds
+    backward = next(n for n in graph.nodes if n.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default)
+    cuda = torch.device("cuda")
+    assert workspace._reads_made_at_run(backward, cuda)
+    assert not any(workspace._reads_made_at_run(n, cuda) for n in graph.nodes if n.target in (efficient, flash))
 
 
 def test_cuda_storages_count_in_the_allocators_512_byte_blocks():

@@ -136,15 +136,13 @@ def build_problem(
 
 def _pinned_where_made(gp: GraphProblem, joint: fx.GraphModule) -> Problem:
     """`gp.problem` with the values whose device the trace does not know marked not
-    offloadable: a value traced as a meta tensor in a graph on a real device, as SDPA's
-    Philox seed and offset are (their device is decided when the kernel runs: host
-    tensors, or device tensors under CUDA graph capture; `_meta_registrations.py`, "Note
-    [Seed and Offset]"). A reload could only put them back on the traced device, meta,
-    whose storage has no memory (an offloaded seed crashed the backward)."""
+    offloadable (`frontend.profile.made_at_run`: SDPA's Philox seed and offset). A reload
+    could only put them on the traced device, which is not where the kernel made them or
+    reads them: a seed reloaded onto the GPU, or onto meta, crashes the backward."""
     by_name = {n.name: n for n in joint.graph.nodes}
     device_type = joint_device_type(joint)
     pinned = {i for i, name in enumerate(gp.value_name)
-              if name in by_name and made_at_run(tensor_val(by_name[name]), device_type)}
+              if name in by_name and made_at_run(by_name[name], device_type)}
     if not pinned:
         return gp.problem
     nodes = tuple(dataclasses.replace(n, offloadable=False) if i in pinned else n

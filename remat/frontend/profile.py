@@ -4,6 +4,8 @@ node comes from, and whether it may ever be replayed. FLOPs and seconds live in
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -48,10 +50,31 @@ def joint_device_type(joint: fx.GraphModule) -> str | None:
     return None
 
 
-def made_at_run(val: torch.Tensor | None, device_type: str | None) -> bool:
-    """Whether `val` is a meta tensor in a graph that runs on a real device: its device
-    is the kernel's choice at run time (`frontend.problem._pinned_where_made`)."""
-    return val is not None and val.device.type == "meta" and device_type not in (None, "meta")
+RUN_TIME_RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
+"""Return names (in the op's schema) of the fused attention kernels' Philox state: the
+seed and offset of `_scaled_dot_product_efficient_attention`, `_efficient_attention_forward`
+and cuDNN's, flash's `rng_state` and `unused` (its offset). Their device is the kernel's
+choice at run time: host tensors, or device tensors under CUDA graph capture
+(`_meta_registrations.py`, "Note [Seed and Offset]"). Fake tensors trace them on the
+graph's device all the same, and their backward kernels dereference a host seed's
+pointer on the host: a CUDA stand-in there is a segmentation fault."""
+
+
+def made_at_run(node: fx.Node, device_type: str | None) -> bool:
+    """Whether `node`'s value is a tensor whose device the trace does not know, in a graph
+    on a real device: a fused attention kernel's Philox state (`RUN_TIME_RNG_RETURNS`), or
+    any value traced as a meta tensor (a custom op's fake may say so). Such a value is
+    never offloaded and never built afresh for an op to read."""
+    val = tensor_val(node)
+    if val is None or device_type in (None, "meta"):
+        return False
+    if val.device.type == "meta":
+        return True
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    producer, index = node.args[0].target, node.args[1]
+    returns = producer._schema.returns if isinstance(producer, OpOverload) else ()
+    return isinstance(index, int) and index < len(returns) and returns[index].name in RUN_TIME_RNG_RETURNS
 
 
 def source_line(node: fx.Node) -> str:

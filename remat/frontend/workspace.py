@@ -198,11 +198,11 @@ def _key_bytes(key: tuple) -> int:
 
 
 def _reads_made_at_run(node: fx.Node, device: torch.device) -> bool:
-    """Whether an argument of `node` is traced as a meta tensor on a real device (SDPA's
-    Philox seed and offset, `frontend.problem.made_at_run`): a fresh stand-in would be a
-    meta tensor, and no kernel of `device` may read one (its storage has no memory), so
-    the op is not run; its workspace is taken as none."""
-    return any(made_at_run(tensor_val(a), device.type) for a in node.all_input_nodes)
+    """Whether an argument of `node` is a value whose device the trace does not know
+    (SDPA's Philox seed and offset, `frontend.profile.made_at_run`): a fresh stand-in on
+    the traced device is not what the kernel reads (a CUDA seed is dereferenced on the
+    host: a segmentation fault), so the op is not run; its workspace is taken as none."""
+    return any(made_at_run(a, device.type) for a in node.all_input_nodes)
 
 
 def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple, int]:
