@@ -84,6 +84,8 @@ do not need it keep working.
 | `storage_free_weak_ref` | `torch.UntypedStorage._free_weak_ref` | present | the compiled step's ledger (its measured peak) |
 | **profiler** | | | |
 | `profiler_enabled()` | `torch.autograd.profiler._is_profiler_enabled` | present | workspace measurement |
+| **CUDA** | | | |
+| `clear_cublas_workspaces()` | `torch._C._cuda_clearCublasWorkspaces` | present in CUDA builds | measuring the CUDA libraries' workspaces |
 | `profiler_event_tree(prof)` | `prof.profiler.kineto_results.experimental_event_tree()` | present | the profiler's measured peak (`torch.compile`); workspace measurement |
 | **distributed, FSDP2** | | | |
 | `get_default_store` | `torch.distributed.distributed_c10d._get_default_store` | present | the plan exchange between ranks (a distributed plan) |
@@ -284,6 +286,15 @@ def profiler_enabled() -> bool:
     return bool(enabled)
 
 
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS and cuBLASLt workspaces torch holds per (handle, stream); the next
+    matmul on a stream allocates its own again."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        raise _unsupported("measuring the CUDA libraries' workspaces", "torch._C._cuda_clearCublasWorkspaces")
+    clear()
+
+
 def profiler_event_tree(prof: Any) -> list[Any]:
     """The root events of a finished `torch.profiler.profile` session (each with its
     `children`; allocator events carry `extra_fields.alloc_size`)."""
@@ -311,6 +322,6 @@ def fsdp_state_refs() -> list[Any]:
     return list(_module_state_mapping.values())
 
 
-__all__ = ["SUPPORTED", "at_least", "fsdp_param_groups", "fsdp_state_refs", "optimization_hint",
+__all__ = ["SUPPORTED", "at_least", "clear_cublas_workspaces", "fsdp_param_groups", "fsdp_state_refs", "optimization_hint",
            "profiler_enabled", "profiler_event_tree", "releases_tangents", "scheduler_pass_base",
            "torch_version", "traces_generators", *_PRIVATE]

@@ -22,7 +22,8 @@ from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_of
 from remat.fusion import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.random_ops import make_replayable, with_replay_workspace
-from remat.frontend.workspace import with_workspace
+from remat.frontend.libraries import library_workspace_bytes
+from remat.frontend.workspace import joint_device, with_workspace
 from remat.runtime.rewrite import partition
 from remat.settings import PlannerSettings
 from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
@@ -223,8 +224,10 @@ class Partitioner:
         if settings.replay_rng:
             replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
             cost_s = replayable.costs(cost_s)
+        device = joint_device(joint)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
+                           resident_bytes=library_workspace_bytes(device) if device is not None else 0,
                            param_indices=tuple(param_indices) if param_indices else None,
                            sum_gradients_in_place=settings.sum_gradients_in_place,
                            drop_outputs=settings.drop_outputs)

@@ -115,6 +115,9 @@ def test_an_op_reading_a_seed_made_at_run_is_not_run_for_its_workspace(monkeypat
     targets = {node.target for node in ran}
     assert torch.ops.aten.addmm.default in targets  # the rest was measured
     assert torch.ops.remat_test.seeded_double_backward.default not in targets
+    assert workspace.measure([n for n in ran[0].graph.nodes], torch.device("cpu")).get(
+        "seeded_double_backward") == workspace.unmeasured_attention_bytes(
+        next(n for n in ran[0].graph.nodes if n.name == "seeded_double_backward")) == 64 * 64 * 4
 
 
 def _attention_traced_on_fake_cuda():
@@ -165,3 +168,61 @@ def test_cuda_storages_count_in_the_allocators_512_byte_blocks():
         assert storage_bytes(torch.empty(128, device="cuda")) == 512
         assert storage_bytes(torch.empty(0, device="cuda")) == 0
     assert storage_bytes(torch.empty(129)) == 516  # CPU: exact
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
+
+    def forward(self, x):
+        return self.body(x).square().mean()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return _Mlp(), torch.randn(32, 64)
+
+
+def _refused_floor(model, x) -> int:
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        remat.plan(model, (x,), budget=1, offload=False)
+    return refused.value.min_peak_bytes
+
+
+def test_the_cuda_libraries_workspaces_count_all_step(monkeypatch):
+    """What the planner learns of the libraries' workspaces (measured on a GPU; given here)
+    is one value live all step: every peak, the floor included, rises by exactly it."""
+    import remat.planner
+    from remat.frontend.problem import LIBRARY_WORKSPACES
+    from solvers import Phase
+
+    held = 1 << 20
+    model, x = _mlp()
+    plain, plain_floor = remat.plan(model, (x,), budget="100%"), _refused_floor(model, x)
+    monkeypatch.setattr(remat.planner, "library_workspace_bytes", lambda device: held)
+    model, x = _mlp()
+    planned, floor = remat.plan(model, (x,), budget="100%"), _refused_floor(model, x)
+    assert planned.predicted_peak_bytes == plain.predicted_peak_bytes + held
+    assert floor == plain_floor + held
+    gp = planned.step.graph_problem
+    node = gp.problem.nodes[gp.value_name.index(LIBRARY_WORKSPACES)]
+    assert (node.phase, node.out_bytes, gp.fx_names[gp.value_name.index(LIBRARY_WORKSPACES)]) == (Phase.PARAM, held, ())
+    eager, _ = _mlp()
+    planned(x).backward()
+    eager(x).backward()
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(("capability", "environ", "expected"), [
+    ((9, 0), {}, 2 * 32 * 2**20),  # Hopper: 32 MiB each for cuBLAS and cuBLASLt
+    ((8, 0), {}, 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)),
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 2 * 4096 * 1024),
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, 2 * (4096 + 16) * 1024),
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1024"}, 16 * 1024 + 2**20),
+])
+def test_the_configured_library_workspaces(capability, environ, expected):
+    from remat.frontend.libraries import configured_bytes
+
+    assert configured_bytes(capability, environ) == expected

@@ -7,8 +7,9 @@ recomputing a value replays the same casts: the eager runtime is bit-exact. Mode
 eager path branches on tensor values (transformers' mask helpers) are traced on the
 library's compile path (`library_trace_path`); they are compared with eager on that same
 path (`torch.compiler.is_compiling()` set), which is bit-equal, while eager's own path
-differs by rounding (measured 9.6e-05 on this llama under bf16: an explicit causal mask
-instead of `is_causal=True`, not a remat effect)."""
+differs by rounding (measured 9.6e-05 on this llama under bf16, not a remat effect: on
+that path transformers repeats the key and value heads, `repeat_kv`, in place of SDPA's
+`enable_gqa`, so their gradients round to bf16 per head before the sum)."""
 
 import contextlib
 import copy

@@ -36,6 +36,10 @@ from remat.frontend.profile import (joint_device_type, made_at_run, never_replay
                                     storage_key, tensor_val)
 from solvers import Node, Phase, Problem
 
+LIBRARY_WORKSPACES = "remat_library_workspaces"
+"""Name of the problem node (no fx node) that holds the CUDA math libraries' persistent
+workspaces (`frontend.libraries`): a parameter-like value, live all step."""
+
 FORWARD_END = "remat_forward_end"
 """Name of the problem node (no fx node) that holds dropped forward outputs to the
 forward's end (see the module docstring)."""
@@ -83,6 +87,7 @@ def build_problem(
     param_indices: Collection[int] | None = None,
     sum_gradients_in_place: bool = False,
     drop_outputs: bool = False,
+    resident_bytes: int = 0,
 ) -> GraphProblem:
     """The planning problem of `joint`. Parameters and buffers are the primals at
     `param_indices` (positions among all primals, SymInts included: under torch.compile
@@ -92,13 +97,20 @@ def build_problem(
     (`GraphProblem.in_place_sums`; the rewriter must then apply them).
     `drop_outputs`: forward outputs of more than one element live to the forward's end
     only (see the module docstring); a loss (one element) stays held; tangents of more
-    than one element die after their last use (`_released_tangents`)."""
+    than one element die after their last use (`_released_tangents`).
+    `resident_bytes`: what the device holds all step outside the graph's values (the CUDA
+    libraries' workspaces), one node `LIBRARY_WORKSPACES` when not 0."""
     info = classify_nodes(joint, [], num_fwd_outputs)
     params = frozenset(range(num_params) if param_indices is None else param_indices)
     items: dict[str, _Item] = {}  # value name -> item
     seen_storage: set[int] = set()
     in_place: dict[str, int] = {}
     primal_index = -1
+    if resident_bytes:
+        if any(node.name == LIBRARY_WORKSPACES for node in joint.graph.nodes):
+            raise ValueError(f"the joint graph has a node named {LIBRARY_WORKSPACES!r}")
+        items[LIBRARY_WORKSPACES] = _Item((), Phase.PARAM, (), resident_bytes, 0.0, None, None,
+                                          "cuBLAS and cuBLASLt workspaces (held by torch for the process)")
     for node in joint.graph.nodes:
         if node.op == "placeholder":
             is_tangent = node.name.startswith("tangents")

@@ -216,9 +216,10 @@ class Traced:
     library_trace_path: str
     """Empty when the model was traced on its eager code path; otherwise where that path
     branched on tensor values (' at file:line (source)'), so it was traced with
-    `torch.compiler.is_compiling()` set, in which
-    case libraries may run a different, equivalent program (e.g. transformers builds an
-    explicit causal mask instead of `is_causal=True`), equal to eager up to rounding."""
+    `torch.compiler.is_compiling()` set, in which case libraries may run a different,
+    equivalent program, equal to eager up to rounding (transformers' LLaMA attention
+    builds an explicit mask and repeats the key and value heads, `repeat_kv`, in place of
+    SDPA's `enable_gqa`: under bf16 their gradients round per head before the sum)."""
 
 
 def compile_joint(

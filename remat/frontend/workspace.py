@@ -129,7 +129,10 @@ def measure(nodes: Iterable[fx.Node], device: torch.device, *, limit_bytes: int 
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     for node in nodes:
         key = op_key(node)
-        if key is None or _reads_made_at_run(node, device):
+        if key is not None and _reads_made_at_run(node, device):
+            out[node.name] = unmeasured_attention_bytes(node)
+            continue
+        if key is None:
             continue
         key = (*key, threads)
         keyed.append((node.name, key))
@@ -201,8 +204,19 @@ def _reads_made_at_run(node: fx.Node, device: torch.device) -> bool:
     """Whether an argument of `node` is a value whose device the trace does not know
     (SDPA's Philox seed and offset, `frontend.profile.made_at_run`): a fresh stand-in on
     the traced device is not what the kernel reads (a CUDA seed is dereferenced on the
-    host: a segmentation fault), so the op is not run; its workspace is taken as none."""
+    host: a segmentation fault), so the op is not run (`unmeasured_attention_bytes`)."""
     return any(made_at_run(a, device.type) for a in node.all_input_nodes)
+
+
+def unmeasured_attention_bytes(node: fx.Node) -> int:
+    """Workspace of an op reading a fused attention kernel's Philox state, which cannot
+    run on stand-ins (`_reads_made_at_run`): taken as its outputs' bytes again in fp32
+    (a float accumulator per gradient, as the memory-efficient kernel's backward keeps
+    for its query gradient), so the plan errs above the allocator, never below."""
+    outs = node.meta.get("val")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return sum(_span_bytes(t) // t.element_size() * 4 for t in outs
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple, int]:

@@ -35,6 +35,7 @@ import math
 
 from torch import nn
 
+from remat.frontend.problem import LIBRARY_WORKSPACES
 from solvers import Decision, Evaluation, Phase, Problem, StepKind
 
 OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
@@ -95,7 +96,8 @@ class Breakdown:
     activations_offloaded_bytes: int
     """Forward values in host memory during backward (not on the device)."""
     temporaries_bytes: int
-    """Other values live at the peak: backward temporaries, forward values in flight."""
+    """Other values live at the peak: backward temporaries, forward values in flight, and
+    on CUDA the math libraries' workspaces (`remat.frontend.libraries`)."""
     peak_step: int
     options: TrainingOptions
 
@@ -160,7 +162,9 @@ def activations_at_peak(problem: Problem, decisions, evaluation: Evaluation) -> 
     for node_id, kind in live.values():
         nbytes = nodes[node_id].out_bytes
         phase = nodes[node_id].phase
-        if phase is Phase.PARAM:
+        if nodes[node_id].name == LIBRARY_WORKSPACES:  # not the model's: a temporary to the report
+            out["temporaries"] += nbytes
+        elif phase is Phase.PARAM:
             out["params"] += nbytes
         elif node_id in grads:  # counted in full with the model state
             out["gradients"] += nbytes
