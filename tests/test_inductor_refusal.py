@@ -1,12 +1,11 @@
 """A refusal under inductor names a peak that plans, and no higher than the plan at the
 graph's no-remat peak (100%): under inductor remat's floor op by op may peak higher than
 a lighter plan (its recomputes keep more alive in fused kernels). ResNet tiny at 60% of
-its no-remat peak op by op (a byte budget; a percentage is of inductor's): the
-floor plan peaked at 1,327,736 B under inductor (1,031,736 B op by op, +296,000 B from
-the kernels) and the refusal named it, while the plan at 100% peaks at 1,267,576 B
-(measured 1,260,408 B); the refusal now names at most that (1,126,456 B, with the
-backward estimated on the forward's strides). One intra-op thread, as the
-benches plan and measure; the second test takes two."""
+its no-remat peak op by op (a byte budget; a percentage is of inductor's): its floor
+plan peaks at 1,327,736 B under inductor (1,031,736 B op by op, +296,000 B from the
+kernels), the plan at 100% at 1,267,576 B (measured 1,260,408 B), and the refusal names
+at most that (1,126,456 B, with the backward estimated on the forward's strides). One
+intra-op thread, as the benches plan and measure; the second test takes two."""
 
 import contextlib
 import gc
@@ -62,10 +61,10 @@ def test_the_refusal_names_a_peak_no_higher_than_the_full_budget_plan_and_it_pla
 
 def test_with_two_threads_the_backward_is_estimated_on_the_strides_the_forward_returns():
     """With two intra-op threads inductor's forward returns ResNet's max-pool indices
-    channels-last, and the real backward is lowered against them; the estimate lowered it
-    against the FX graph's contiguous strides, and the step at 1,267,576 B measured
-    1,298,488 B against a prediction of 1,242,200 (150,080 B over before session 28's
-    other fixes). Now the estimate takes the forward's strides (`estimate._example_inputs`)."""
+    channels-last, and the real backward is lowered against them. Lowered against the FX
+    graph's contiguous strides instead, the estimate falls below the step (at 1,267,576 B:
+    1,298,488 B measured, 1,242,200 B predicted), so it takes the forward's strides
+    (`estimate._example_inputs`)."""
     with _threads(2):
         case, be, step = _prepare(1_267_576)
         (planned,) = be.steps
