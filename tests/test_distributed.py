@@ -4,7 +4,8 @@ each rank on its own data. Asserts per rank: DDP gradients bit-equal to DDP(mode
 the same all-reduce buckets and gradient hooks, one plan on every rank, collectives
 never recomputed, FSDP2 compositions that cannot work refused with a RematError, and
 FSDP2 through the compile backend: eager FSDP2's gradients and collectives, a lower peak;
-compiled DDP (DDPOptimizer's bucket graphs) under one whole-step budget."""
+compiled DDP (DDPOptimizer's bucket graphs) under one whole-step budget, and DDP and
+FSDP2 through the backend with inductor at a percentage of inductor's no-remat peak."""
 
 import multiprocessing
 import multiprocessing.forkserver
@@ -157,6 +158,19 @@ def test_fsdp2_through_the_backend_with_inductor_plans_a_percentage_on_every_ran
         budget, no_remat, predicted = f["step"]
         assert budget == int(0.9 * no_remat) and predicted <= budget
         assert f["margins_known"] and f["calls"] == 4
+
+
+def test_ddp_through_the_backend_with_inductor_plans_a_percentage_on_every_rank(ranks):
+    """A percentage under DDP through the backend (inductor): DDPOptimizer's two bucket
+    graphs share one budget, a percentage of the whole step's no-remat peak as inductor
+    generates each graph, and the step trains like eager DDP; every rank runs the same."""
+    facts = _facts(ranks, "ddp_percentage")
+    for f in facts:
+        assert f["grads_close"]
+        budget, no_remat, predicted = f["step"]
+        assert budget == int(0.9 * no_remat) and predicted <= budget
+        assert f["margins_known"] and f["graphs"] == 2
+    assert facts[0]["step"] == facts[1]["step"]
 
 
 @needs_torch(2, 13, "the eager FSDP2 reference runs with torch.compiler.is_compiling() set (the code "
