@@ -4,11 +4,11 @@ tracker-measured peak per zoo model at 100%, 60% and the reported floor.
     HF_HUB_OFFLINE=1 python bench/allocator.py [--models cnn,resnet,gpt2] [--size tiny]
         [--workspace default|on|off] [--time-limit 2]
 
-Models: the zoo's (`remat/zoo.py`, at --size) and bench/models_hf.py's tiny transformers
+Models: the zoo's (`remat/testing/zoo.py`, at --size) and bench/models_hf.py's tiny transformers
 models (convnext, clip, t5, whisper, llama8, mamba).
 
-allocator: `remat.measure.measure_step_profiler` (every byte the CPU allocator serves,
-kernel scratch included: what the budget promises). tracker: `remat.measure.measure_step`
+allocator: `remat.testing.measure.measure_step_profiler` (every byte the CPU allocator serves,
+kernel scratch included: what the budget promises). tracker: `remat.testing.measure.measure_step`
 (tensor storages only). The floor is `InfeasibleBudgetError.min_peak_bytes` from a 1-byte
 budget. The table goes to stdout.
 """
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
-from remat.measure import measure_step, measure_step_profiler  # noqa: E402
+from remat.testing.measure import measure_step, measure_step_profiler  # noqa: E402
 
 
 def _step(planned, case):

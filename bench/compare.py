@@ -49,10 +49,10 @@ from torch import nn  # noqa: E402
 
 from torch._export.utils import _compiling_state_context  # noqa: E402
 
-from remat import zoo  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.frontend.costs import FlopCounter  # noqa: E402
 from remat.frontend.trace import compile_joint  # noqa: E402
-from remat.measure import measure_step, measure_step_profiler  # noqa: E402
+from remat.testing.measure import measure_step, measure_step_profiler  # noqa: E402
 
 log = logging.getLogger("bench.compare")
 
@@ -97,7 +97,7 @@ class Row:
     copies of forward nodes; remat: its plan's recompute seconds, replays included)."""
     saving_ms: float | None = None
     """Milliseconds of traffic the saved tensors cost: written by the forward and read by
-    the backward, 2 x their bytes over the bandwidth (what `remat.fusion` weighs a
+    the backward, 2 x their bytes over the bandwidth (what `remat.planning.fused_recompute` weighs a
     fusible recompute against). recompute + saving is the compiled model's cost."""
     note: str = ""
 

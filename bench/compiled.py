@@ -36,8 +36,8 @@ if "compare" not in sys.modules:  # run directly; under compare.py --compiled it
     sys.path.pop(0)
 compare = sys.modules["compare"]
 
-from remat import zoo  # noqa: E402
-from remat.measure import measure_step_profiler  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.testing.measure import measure_step_profiler  # noqa: E402
 
 log = logging.getLogger("bench.compiled")
 

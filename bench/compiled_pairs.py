@@ -31,8 +31,8 @@ import compiled  # noqa: E402  (bench/compiled.py: the two compiled steps, prepa
 
 compare = sys.modules["compare"]
 
-from remat import zoo  # noqa: E402
-from remat.measure import measure_step_profiler  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.testing.measure import measure_step_profiler  # noqa: E402
 
 MIB = 2**20
 

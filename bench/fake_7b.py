@@ -7,7 +7,7 @@ The model (transformers' LlamaConfig: hidden 4096, intermediate 11008, 32 heads,
 32000; batch 1 x 2048 tokens) is built on the meta device and planned on fake tensors.
 The report runs in a fresh process, as a user runs it; its peak RSS is that process's
 (`ru_maxrss` of the child). The stage columns are the CLI's own stages
-(`remat.progress.Stages.log`); trace, profile, solve and rewrite split the planning stage
+(`remat.cli.progress.Stages.log`); trace, profile, solve and rewrite split the planning stage
 (`Stages.planner_log`, summed over both plans when the budget is refused and the report
 is planned again at the floor).
 """
@@ -30,7 +30,8 @@ FACTORY = Path(__file__).resolve().parents[1] / "examples" / "llama7b_factory.py
 # Runs the CLI and writes the stages it logged beside the report.
 RUN = textwrap.dedent('''
     import json, sys
-    from remat import cli, progress
+    import remat.cli.main as cli
+    from remat.cli import progress
 
     made = []
     init = progress.Stages.__init__

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 
 SPECS = {
     "gpt2": dict(n_layer=8, n_embd=64, n_head=4, vocab_size=128, batch=2, seq=64),

@@ -22,8 +22,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
-from remat.measure import measure_step  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.testing.measure import measure_step  # noqa: E402
 
 
 def _step(fn, case):

@@ -144,7 +144,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure(step, model, ids, device: str, instrument: str) -> int:
     """One step's peak: the CUDA allocator's on a GPU, else remat's CPU instrument."""
-    from remat.measure import measure_step
+    from remat.testing.measure import measure_step
 
     model.zero_grad(set_to_none=True)
     return measure_step(step, register=(model, ids), instrument="cuda" if device == "cuda" else instrument).peak_bytes

@@ -37,8 +37,8 @@ import compiled  # noqa: E402  (bench/compiled.py; it imports bench/compare.py)
 compare = sys.modules["compare"]
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
-from remat.measure import measure_step_profiler  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.testing.measure import measure_step_profiler  # noqa: E402
 
 
 def row(model: str, size: str, budget: str) -> str:

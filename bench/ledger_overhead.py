@@ -36,7 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.runtime.step.graph import LedgeredGraph  # noqa: E402
 from remat.runtime.step.ledger import StepLedger  # noqa: E402
 

@@ -27,10 +27,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
-from remat.budget import format_bytes  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.planning.budget import format_bytes  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
-from remat.measure import measure_step  # noqa: E402
+from remat.testing.measure import measure_step  # noqa: E402
 from solvers import Decision  # noqa: E402
 
 HEADER = ("| model | budget | / recompute floor | predicted peak | measured peak | offloaded "

@@ -3,7 +3,7 @@
 Problems: seeded random layered DAGs (builders.random_dag) and transformer-like stacks
 (builders.transformer, vocab 2048 so that activations, not the logits, dominate) of
 about 100, 300, 1,000, 3,000 and 10,000 nodes, plus, with --zoo and when the torch front
-end can build problems, the joint graphs of the public test models (remat.zoo); each at
+end can build problems, the joint graphs of the public test models (remat.testing.zoo); each at
 30%, 50% and 70% of its no-remat peak. Solvers: chen-greedy (the baseline), dp, ilp.
 
     python bench/solvers.py                      # everything (about 10 minutes)
@@ -55,7 +55,7 @@ def zoo_problems() -> dict[str, Problem]:
     """The joint graphs of the public test models, or {} without the torch front end."""
     try:
         import remat
-        from remat import zoo
+        from remat.testing import zoo
     except ImportError as error:
         print(f"# zoo skipped: {error}", file=sys.stderr)
         return {}

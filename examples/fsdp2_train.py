@@ -5,7 +5,7 @@ measured peak against the same FSDP2 step without remat.
     HF_HUB_OFFLINE=1 python examples/fsdp2_train.py [--budget 70%] [--steps 3]
 
 Composition: shard first, then `torch.compile(model, backend=remat.backend(...))`.
-(`remat.plan` over a sharded model is refused: see `remat.distributed`.) Dynamo splits
+(`remat.plan` over a sharded model is refused: see `remat.planning.distributed`.) Dynamo splits
 the step at every FSDP2 module (its all-gathers and reduce-scatters run in eager hooks,
 between the graphs, never inside a plan): here 3 graphs, the layer graph serving all 4
 layers. The budget is the whole step's (`remat.runtime.step.ledger`): each graph call is
@@ -35,8 +35,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import remat  # noqa: E402
-from remat.budget import format_bytes  # noqa: E402
-from remat.measure import measure_step_profiler  # noqa: E402
+from remat.planning.budget import format_bytes  # noqa: E402
+from remat.testing.measure import measure_step_profiler  # noqa: E402
 
 WORLD = 2
 

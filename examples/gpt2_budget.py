@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat import zoo  # noqa: E402
-from remat.measure import measure_step  # noqa: E402
+from remat.testing import zoo  # noqa: E402
+from remat.testing.measure import measure_step  # noqa: E402
 
 
 def main() -> int:

@@ -5,7 +5,7 @@
 """
 
 from remat.api import Planned, plan
-from remat.budget import resolve_budget
+from remat.planning.budget import resolve_budget
 from remat.errors import (
     BudgetError,
     CompositionError,

@@ -2,6 +2,6 @@
 
 import sys
 
-from remat.cli import main
+from remat.cli.main import main
 
 sys.exit(main())

@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat import distributed
+from remat.planning import distributed
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import workspace
 from remat.frontend.costs import DeviceSpeed
 from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
-from remat.planner import Partitioner, PlannedStep
+from remat.planning.planner import Partitioner, PlannedStep
 from remat.report import summary
-from remat.settings import PlannerSettings, SettingsView
-from remat.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
+from remat.planning.settings import PlannerSettings, SettingsView
+from remat.planning.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from solvers import Plan
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def plan(
     the process group's store, so every rank must plan); None does so when a process
     group of more than one rank is initialized. Wrap the result in DDP as the model:
     `DDP(remat.plan(...))`. A model sharded by FSDP2 is refused (`CompositionError`):
-    compile it with `remat.backend` instead (see `remat.distributed`).
+    compile it with `remat.backend` instead (see `remat.planning.distributed`).
 
     offload: True lets the planner move activations to host memory between forward and
     backward (below the recompute-only floor); False never; "auto" (default) allows it

@@ -34,12 +34,12 @@ from solvers.ilp.solver import ILPOptions, solve_ilp  # noqa: E402
 
 register(SolverSpec(name="ilp", run=solve_ilp, options_type=ILPOptions, exact=True,
                     summary="CP-SAT over the canonical plan space, checked by simulate (no-good cuts)"))
-from solvers.layered import LayersOptions, solve_layers  # noqa: E402
+from solvers.layers import LayersOptions, solve_layers  # noqa: E402
 
 register(SolverSpec(name="layers", run=solve_layers, options_type=LayersOptions, exact=False,
                     summary="exact DP over repeated layers (Problem.layers), values shared "
                             "between layers kept; optimal over that space"))
-from solvers.schedules import solve_checkpoint  # noqa: E402
+from solvers.segmented import solve_checkpoint  # noqa: E402
 
 register(SolverSpec(name="checkpoint", run=solve_checkpoint, options_type=Options, exact=False,
                     summary="per-layer checkpointing (Problem.layers): layer inputs saved, each layer "

@@ -231,7 +231,7 @@ def _profiled(fn: Callable[[], Any]) -> tuple[dict[str, int], int]:
     dynamo fall back to eager)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from remat.measure import _allocation_events
+    from remat.testing.measure import _allocation_events
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

@@ -8,7 +8,7 @@ from torch import nn
 
 import remat
 from remat.runtime.backend import backend
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 
 
 def _model():

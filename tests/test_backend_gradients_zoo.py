@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from nets import PLANS, assert_gradients_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import remat
 from remat.frontend import costs
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from remat.runtime.backend import PINNED_INDUCTOR_CONFIG, backend
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from remat import cli
+import remat.cli.main as cli
 from remat.frontend.fake import build_fake
 
 pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ LLAMA_7B = Path(__file__).resolve().parents[1] / "examples" / "llama7b_factory.p
 
 RUN_AND_REPORT_RSS = textwrap.dedent('''
     import resource, sys
-    from remat import cli
+    import remat.cli.main as cli
     code = cli.main(sys.argv[1:])
     print("MAXRSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     sys.exit(code)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import remat
-from remat.budget import format_bytes
-from remat import cli, target
+from remat.planning.budget import format_bytes
+import remat.cli.main as cli
+from remat.cli import target
 from remat.report.breakdown import activations_at_peak
 
 USER_FILE = textwrap.dedent('''
@@ -221,10 +222,10 @@ def test_a_budget_below_the_floor_is_answered_with_the_floors_report_and_exit_1(
 
 def test_a_report_below_the_floor_searches_the_floor_once(user_file, tmp_path, monkeypatch):
     """The refusal, the re-plan at the floor and the Pareto sweep share one floor search
-    (`remat.floor.least_peak`): on LLaMA-7B's 32 layers each search is seconds of ILP."""
+    (`remat.planning.floor.least_peak`): on LLaMA-7B's 32 layers each search is seconds of ILP."""
     from collections import OrderedDict
 
-    from remat import floor
+    from remat.planning import floor
 
     searches = []
     search = floor.least_peak_plan

@@ -44,7 +44,7 @@ def test_pruning_options_with_numpy_keeps_what_the_pairwise_loop_keeps(data, cas
 def _layers_blocks(problem):
     """(reduced problem, fixed values, blocks) of both models `layers` tabulates."""
     from solvers.dp.structure import analyze
-    from solvers.layered import _behind, fold_views, kept_values
+    from solvers.layers import _behind, fold_views, kept_values
 
     kept = kept_values(problem)
     for k, early in ((frozenset(), True), (kept, False)):
@@ -99,7 +99,7 @@ def test_traced_first_layers_share_the_other_layers_canonical_form(name):
     dropout's replay), LLaMA's in the mask and rotary steps before it: the shifted
     canonical Locals are exactly theirs, and fewer forms than signatures are tabulated."""
     import remat
-    from remat import zoo
+    from remat.testing import zoo
 
     case = zoo.build(name)
     problem = remat.plan(case.model, case.args, case.kwargs, budget="100%", solver="none").problem
@@ -186,7 +186,7 @@ def test_stripped_prefixes_and_workspaces_keep_dp_equal_to_brute(budget):
 
 def _traced_problem(name: str):
     import remat
-    from remat import zoo
+    from remat.testing import zoo
 
     case = zoo.build(name)
     return remat.plan(case.model, case.args, case.kwargs, budget="100%", solver="none").problem

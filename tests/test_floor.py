@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 
 import remat
-from remat import floor as remat_floor
-from remat import zoo
+from remat.planning import floor as remat_floor
+from remat.testing import zoo
 from remat.errors import InfeasibleBudgetError
 from solvers import Status, builders, simulate, solve
-from solvers.floor import least_peak_plan, peak_lower_bound, scheduled_plans
+from solvers.least_peak import least_peak_plan, peak_lower_bound, scheduled_plans
 from strategies import problems
 
 
@@ -37,7 +37,7 @@ def test_no_plan_peaks_below_the_lower_bound(problem):
 def test_a_budget_below_the_lower_bound_is_refused_without_a_solve(monkeypatch):
     """The planner answers such a budget from the floor search alone: no solve at the
     budget asked for, and the same floor as a budget above the bound but below the floor."""
-    from remat import planner
+    from remat.planning import planner
 
     case = _case()
     solves, bounds = [], []

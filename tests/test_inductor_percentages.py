@@ -68,7 +68,7 @@ def test_a_percentage_below_the_floor_is_refused_as_the_first_step_ends():
     closed loop catches a refusal op by op on the way (below remat's floor, it replans
     at it); kept with its traceback, that error's frames held the step's outputs in a
     cycle, and `outputs="loss"` stopped the backward with DroppedOutputHeldError."""
-    from remat import zoo
+    from remat.testing import zoo
 
     torch._dynamo.reset()
     case = zoo.build("cnn", size="tiny")

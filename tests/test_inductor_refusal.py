@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 
 
 def _prepare(budget):

@@ -13,7 +13,7 @@ lower the prediction without the measurement passing it.
 import torch
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from nets import needs_torch
 
 

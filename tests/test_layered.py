@@ -11,8 +11,8 @@ from solvers import Decision, Phase, Problem, Status, UnsupportedProblem, solve
 from solvers import builders
 from solvers.brute import valid_plans
 from solvers.builders import FwdOp, joint_from_forward
-from solvers.layered import kept_values
-from solvers.structure import OUTSIDE, LayerStructure
+from solvers.layers import kept_values
+from solvers.layer_structure import OUTSIDE, LayerStructure
 from test_solver_invariants import check_plan
 
 
@@ -188,7 +188,7 @@ def test_layers_admits_traced_attention_blocks_and_auto_passes_the_same_limit(mo
     from solvers import SOLVERS
     from solvers.auto import AutoOptions
     from solvers.dp.solver import DPOptions
-    from solvers.layered import LayersOptions
+    from solvers.layers import LayersOptions
 
     assert LayersOptions().max_block_configs == 1 << 17 > DPOptions().max_block_configs
     seen = []

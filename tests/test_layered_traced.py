@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import remat
-from remat import zoo
-from remat.measure import measure_step
+from remat.testing import zoo
+from remat.testing.measure import measure_step
 from solvers import Decision, Phase, Status
-from solvers.structure import OUTSIDE
+from solvers.layer_structure import OUTSIDE
 
 
 @functools.lru_cache(maxsize=None)  # each (model, budget, solver) traced and planned once per session
@@ -100,7 +100,7 @@ def test_llama_stack_splits_into_blocks_per_layer():
     """The reduced LLaMA graph is a block sequence with an attention and an MLP block per
     layer: the RMSNorm backward reads its input (a block boundary) before its rsqrt."""
     from solvers.dp.structure import analyze
-    from solvers.layered import _behind, fold_views, kept_values
+    from solvers.layers import _behind, fold_views, kept_values
 
     case, planned = _planned("llama", "100%", "none")
     problem = planned.problem

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat
 from remat.frontend.layouts import eager_cpu_layouts
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from remat.runtime.backend import backend
 from solvers import Decision
 from nets import assert_trains_like_eager

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from remat.measure import (
+from remat.testing.measure import (
     LiveBytesTracker,
     MemoryMeasurement,
     measure_step,

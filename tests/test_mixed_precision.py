@@ -19,8 +19,8 @@ import torch
 from torch._export.utils import _compiling_state_context
 
 import remat
-from remat import zoo
-from remat.measure import measure_step
+from remat.testing import zoo
+from remat.testing.measure import measure_step
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 

@@ -31,10 +31,10 @@ from torch._export.utils import _compiling_state_context
 import torch.utils._pytree as pytree
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step, measure_step_profiler
+from remat.testing.measure import measure_step, measure_step_profiler
 from solvers import Status, solve
 from nets import train_step
 
@@ -360,7 +360,7 @@ def test_flops_grow_as_budget_shrinks(name):
     assert greedy[0][3] == base
     # The chain compares chen-greedy's own answers. Where chen-greedy finds no plan that
     # fits (at "min", the floor), the planner falls back to the floor plan
-    # (remat.floor.at_the_floor), which comes from another search and can rerun fewer
+    # (remat.planning.floor.at_the_floor), which comes from another search and can rerun fewer
     # FLOPs than chen-greedy's plan at a larger budget (measured on vit in CI).
     own = [r for r in greedy if solve(r[2].step.graph_problem.problem, SOLVER).status is not Status.INFEASIBLE]
     assert own[0] is greedy[0]

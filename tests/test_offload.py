@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend.offloading import OffloadError, offload_device, resolve_bandwidth
-from remat.measure import LiveBytesTracker, measure_step, measure_step_profiler
+from remat.testing.measure import LiveBytesTracker, measure_step, measure_step_profiler
 from remat.report.data import build_report
 from remat.report.text import render
 from remat.runtime.offload import StoredLayout, reload, store

@@ -7,10 +7,10 @@ import torch
 
 import remat
 from remat import compat
-from remat import zoo
+from remat.testing import zoo
 from remat.errors import RematError
 from remat.frontend.problem import FORWARD_END
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from nets import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,7 +165,7 @@ def test_backend_loss_only_on_gpt2_keeps_its_layers_and_frees_the_logits(gpt2):
     layer, and the logits are its only reader (GPT-2's backward reads the log-softmax)."""
     import torch._dynamo
 
-    from solvers.structure import OUTSIDE
+    from solvers.layer_structure import OUTSIDE
 
     case, logits_bytes, _ = gpt2
     torch._dynamo.reset()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remat
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from solvers import Decision, Plan, Problem, Status, StepKind, evaluate, simulate, solve
 from solvers.prefetch import prefetch, prefetched_ids
 from chains import chain

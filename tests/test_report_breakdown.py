@@ -4,7 +4,7 @@ QLoRA) and `fit`'s search, on numbers small enough to check by hand."""
 import pytest
 from torch import nn
 
-from remat.fit import Probe, search
+from remat.cli.fit import Probe, search
 from remat.report.breakdown import TrainingOptions, count_parameters, model_state
 
 
@@ -85,7 +85,7 @@ def test_fit_search_respects_max_and_start():
 def test_progress_appears_only_after_the_delay_and_never_when_quiet():
     import time
 
-    from remat.progress import Stages
+    from remat.cli.progress import Stages
 
     assert not Stages(quiet=True).enabled
     stages = Stages(delay_s=0.05)
@@ -104,7 +104,7 @@ def test_the_progress_follows_the_planners_stages_quietly(capsys):
     import torch
 
     import remat
-    from remat.progress import Stages
+    from remat.cli.progress import Stages
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     loss_model = _ScalarLoss(model)

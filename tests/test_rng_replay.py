@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import remat
-from remat import zoo
-from remat.measure import measure_step, measure_step_profiler
+from remat.testing import zoo
+from remat.testing.measure import measure_step, measure_step_profiler
 from remat.runtime import rng
 from solvers import Decision, solve
 

@@ -1,4 +1,4 @@
-"""Backward schedules that recompute a value more than once (solvers/schedules.py),
+"""Backward schedules that recompute a value more than once (solvers/segmented.py),
 simulated and executed (remat/runtime/schedule.py rebuilds the backward from the steps)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 import remat
 from nets import Tower, assert_trains_like_eager
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from solvers import Decision, Node, Options, Phase, Problem, Status, StepKind, decisions_all, simulate, solve
 from solvers.base import finish
 from solvers import registry
 from solvers.registry import SolverSpec
-from solvers.schedules import per_reader_segments, segmented_schedule
+from solvers.segmented import per_reader_segments, segmented_schedule
 from solvers.simulate import evaluate
 from strategies import problems
 
@@ -116,11 +116,11 @@ def test_below_every_canonical_plan_the_cheapest_fitting_schedule_is_planned():
     """With repeated layers and `schedules` (the eager runtime's default), a budget no
     canonical plan fits gets the cheapest scheduled plan that fits; the floor stated
     below that is the least over canonical and scheduled plans. Without `schedules`
-    the floor is the canonical one (remat.floor)."""
-    from remat import floor as remat_floor
+    the floor is the canonical one (remat.planning.floor)."""
+    from remat.planning import floor as remat_floor
     from remat.frontend.problem import GraphProblem
-    from solvers.floor import least_peak_plan, scheduled_plans
-    from solvers.structure import OUTSIDE, LayerStructure
+    from solvers.least_peak import least_peak_plan, scheduled_plans
+    from solvers.layer_structure import OUTSIDE, LayerStructure
 
     base = _two_readers()
     layer_of = [OUTSIDE] * len(base.nodes)
@@ -160,7 +160,7 @@ def test_gpt2_at_its_scheduled_floor_runs_other_outputs_of_a_split():
 
     from torch._export.utils import _compiling_state_context
 
-    from remat import zoo
+    from remat.testing import zoo
 
     case = zoo.build("gpt2", size="tiny")
     eager = copy.deepcopy(case.model)

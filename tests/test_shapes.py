@@ -13,7 +13,7 @@ from torch import nn
 
 import remat
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step
+from remat.testing.measure import measure_step
 from solvers import Decision
 from nets import assert_trains_like_eager
 

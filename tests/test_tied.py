@@ -5,7 +5,7 @@ the sum.
 Instruments: the allocator (`measure_step_profiler`) is trusted for "under budget" and
 "prediction never below the measurement". The tracker (`measure_step`) runs under a
 dispatch mode, where autograd sums a leaf's gradients out of place
-(`remat.measure`); with the sum outside the graph it reads above the prediction (+3.7%
+(`remat.testing.measure`); with the sum outside the graph it reads above the prediction (+3.7%
 to +6.8% on the models below at their floors, the allocator at the prediction), so here
 it must be at or below the prediction too."""
 
@@ -18,7 +18,7 @@ import torch
 
 import remat
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step, measure_step_profiler
+from remat.testing.measure import measure_step, measure_step_profiler
 from nets import train_step
 
 _VOCAB, _BATCH, _SEQ = 2048, 2, 32  # embeddings dominate: the gradient sum decides the floor

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.budget import resolve_budget
-from remat.measure import measure_step
-from remat.planner import lowest_found
+from remat.planning.budget import resolve_budget
+from remat.testing.measure import measure_step
+from remat.planning.planner import lowest_found
 from solvers import solve
 
 BUDGET = "70%"

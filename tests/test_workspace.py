@@ -16,10 +16,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
-from remat import zoo
+from remat.testing import zoo
 from remat.frontend import workspace
 from remat.errors import InfeasibleBudgetError
-from remat.measure import measure_step, measure_step_profiler
+from remat.testing.measure import measure_step, measure_step_profiler
 from solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, simulate
 from nets import train_step
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from remat import zoo
+from remat.testing import zoo
 
 pytest.importorskip("transformers")
 

@@ -389,7 +389,7 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
   (its backward ran 2% slower than torch.compile's; with it, 0.9%). Matmuls,
   convolutions, reductions and extern kernels keep the eager roofline. Saving a fusible
   value costs traffic that recomputing it does not; under this model that enters after
-  the solver, through a greedy pass (`remat.fusion`).
+  the solver, through a greedy pass (`remat.planning.fused_recompute`).
 - ``"compiled-traffic"``: the same recompute costs, and the traffic of saving in the
   objective itself: a saved pointwise value that the backward reads costs 2 x its bytes
   over the bandwidth (written in the forward, read back in the backward; recomputed, it

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from remat.budget import format_bytes
+from remat.planning.budget import format_bytes
 from remat.errors import RematError
 from remat.frontend import costs
 from remat.frontend.problem import GraphProblem

@@ -15,7 +15,7 @@ from remat.report.pareto import ParetoPoint, min_peak_bytes, sweep
 from solvers import Decision, Phase
 
 if TYPE_CHECKING:
-    from remat.planner import PlannedStep
+    from remat.planning.planner import PlannedStep
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

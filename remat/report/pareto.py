@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from remat.floor import least_peak
+from remat.planning.floor import least_peak
 from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
 
 
@@ -28,9 +28,9 @@ class ParetoPoint:
 
 
 def min_peak_bytes(problem: Problem) -> tuple[int, Plan]:
-    """The smallest peak found and its plan: `solvers.floor.least_peak_plan`, the floor
+    """The smallest peak found and its plan: `solvers.least_peak.least_peak_plan`, the floor
     the planner reports when it refuses a budget (deterministic; the planner's own
-    search of this graph when it made one, `remat.floor.least_peak`)."""
+    search of this graph when it made one, `remat.planning.floor.least_peak`)."""
     plan = least_peak(problem)
     return plan.peak_bytes, plan
 

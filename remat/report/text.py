@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from remat.budget import format_bytes
+from remat.planning.budget import format_bytes
 from solvers import Decision, Phase
 from solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
-    from remat.planner import PlannedStep
+    from remat.planning.planner import PlannedStep
     from remat.report.data import Report
 
 

@@ -65,19 +65,19 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat import distributed
-from remat.budget import format_bytes
+from remat.planning import distributed
+from remat.planning.budget import format_bytes
 from remat.errors import CompositionError, RematError
 from remat.frontend import costs
 from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
-from remat.planner import Partitioner, PlannedStep
+from remat.planning.planner import Partitioner, PlannedStep
 from remat.report import summary
 from remat.runtime.inductor import plan_store
 from remat.runtime.step.ledger import StepLedger
 from remat.runtime.step.graph import LedgeredGraph
 from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
-from remat.settings import OUTPUTS, PlannerSettings, SettingsView
+from remat.planning.settings import OUTPUTS, PlannerSettings, SettingsView
 
 COMPILERS = ("inductor", "eager")
 
@@ -117,7 +117,7 @@ class RematBackend(SettingsView):
         self._graphs = 0
         self.steps: list[PlannedStep] = []
         self.measured: Any = None
-        """The last `measure(...)` (a `remat.measure.MemoryMeasurement`), or None."""
+        """The last `measure(...)` (a `remat.testing.measure.MemoryMeasurement`), or None."""
         self.cache_hits = 0
         """Graphs whose compiled code came from torch's caches (remat was not called)."""
         self.stored_steps = 0
@@ -279,7 +279,7 @@ class RematBackend(SettingsView):
         events, the instrument that sees what inductor runs, and keep the peak for the
         summary (predicted vs measured). `register`: what is live before the step (the
         model, its inputs); clear gradients first, the profiler cannot see older frees."""
-        from remat.measure import measure_step_profiler
+        from remat.testing.measure import measure_step_profiler
 
         self.measured = measure_step_profiler(step, register=register)
         return self.measured

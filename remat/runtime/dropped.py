@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat.budget import format_bytes
+from remat.planning.budget import format_bytes
 from remat.errors import RematError
 
 

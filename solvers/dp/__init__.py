@@ -5,5 +5,5 @@ no decision changes; configs.py enumerates a block's configurations; local.py re
 block's canonical schedule for a configuration (its steps: steps.py); tables.py builds,
 shares and caches the per-block tables of evaluated options (on disk: table_cache.py);
 fronts.py keeps the Pareto fronts the DP carries between blocks; solver.py is the solver
-(`solve_dp`, registered as "dp", and reused by "layered").
+(`solve_dp`, registered as "dp", and reused by "layers").
 """

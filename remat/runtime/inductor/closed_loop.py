@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import fx
 
-from remat.budget import is_percentage, resolve_budget
+from remat.planning.budget import is_percentage, resolve_budget
 from remat.runtime.inductor.estimate import GraphBytes, estimate_fusion, inductor_peak_bytes
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ the target only falls and the loop ends (measured: one replan on every model tri
 
 
 def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
-    from remat.budget import format_bytes
+    from remat.planning.budget import format_bytes
     from remat.errors import InfeasibleBudgetError
 
     need = peak_bytes + margin

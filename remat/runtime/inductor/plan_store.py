@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.planner import PlannedStep
+from remat.planning.planner import PlannedStep
 from solvers import Plan
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from remat.budget import format_bytes
+from remat.planning.budget import format_bytes
 from remat.compat import FakeTensor
 from remat.errors import InfeasibleBudgetError
 from remat.runtime import dropped

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.budget import format_bytes, resolve_budget
+from remat.planning.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
 from remat.runtime.step import split, storages
 from remat.runtime.step.ddp import DdpState
@@ -283,7 +283,7 @@ class StepLedger:
             self.shares, self.predicted_step_bytes = split.allocate(records, self._menus(), self.budget_bytes)
 
     def _menus(self) -> dict[int, tuple[split.Option, ...]]:
-        from remat.planner import lowest_found
+        from remat.planning.planner import lowest_found
         from solvers import solve
 
         menus = {}

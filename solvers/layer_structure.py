@@ -1,6 +1,6 @@
 """Repeated-layer structure of a problem, as data: which forward node ran in which layer.
 
-The torch front end finds the layers (remat/frontend/layers.py reads `nn_module_stack`:
+The torch front end finds the layers (remat/frontend/find_layers.py reads `nn_module_stack`:
 the children `h.0`, `h.1`, ... of one ModuleList); solvers read them from
 `Problem.layers` and never guess them. A layer is a contiguous run of forward ids.
 

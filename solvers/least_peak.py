@@ -17,7 +17,7 @@ import time
 from solvers.base import finish
 from solvers.problem import Decision, Phase, Plan, Problem, decisions_all
 from solvers.registry import SOLVERS, UnsupportedProblem, solve
-from solvers.schedules import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
+from solvers.segmented import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
 from solvers.simulate import PlanError, evaluate
 
 FLOOR_TIME_LIMIT_S = 10.0
@@ -64,7 +64,7 @@ def peak_lower_bound(problem: Problem) -> int:
 
 
 def scheduled_plans(problem: Problem, best) -> list[Plan]:
-    """Plans that recompute some value more than once (solvers/schedules.py), for when
+    """Plans that recompute some value more than once (solvers/segmented.py), for when
     no canonical plan fits: `best` (if it offloads nothing) and everything recomputed,
     each per layer and per backward reader, and per-layer checkpointing; each evaluated
     at `problem`'s budget, in that order. None on problems without repeated layers.

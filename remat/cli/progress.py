@@ -44,9 +44,9 @@ class Stages:
     @contextlib.contextmanager
     def planning(self, verbose: bool = False) -> Iterator[None]:
         """A stage for `remat.plan` whose description follows the planner: a filter on
-        the `remat.planner` logger reads each record's stage (and drops the record
+        the `remat.planning.planner` logger reads each record's stage (and drops the record
         unless `verbose`, so nothing else prints)."""
-        from remat.planner import STAGE, log
+        from remat.planning.planner import STAGE, log
 
         with self.stage("tracing") as advance:
             display = getattr(advance, "__self__", None)

@@ -19,7 +19,7 @@ from solvers.base import Options, finish
 from solvers.problem import Decision, Phase, Plan, Problem, Step
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import _bring_back
-from solvers.structure import OUTSIDE
+from solvers.layer_structure import OUTSIDE
 
 
 def segmented_schedule(problem: Problem, decisions: Mapping[int, Decision],

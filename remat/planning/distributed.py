@@ -63,7 +63,7 @@ def check_plannable(model: nn.Module) -> None:
             "model with fake tensors, and the sharded parameters' pre-forward hooks cannot "
             "run there. Plan the sharded model through torch.compile instead: "
             "torch.compile(model, backend=remat.backend(budget=...)), which plans every "
-            "graph between FSDP's all-gathers (see remat.distributed)"
+            "graph between FSDP's all-gathers (see remat.planning.distributed)"
         )
 
 

@@ -45,8 +45,8 @@ def _one_line(error: BaseException) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remat", description="activation rematerialization planner")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan a bundled model (remat.zoo) and print the summary")
-    p.add_argument("--model", default="gpt2", help="one of remat.zoo.NAMES")
+    p = sub.add_parser("plan", help="plan a bundled model (remat.testing.zoo) and print the summary")
+    p.add_argument("--model", default="gpt2", help="one of remat.testing.zoo.NAMES")
     p.add_argument("--size", default="tiny", help="tiny, bench or small")
     p.add_argument("--budget", default="70%", help="bytes, '800MB', '1.5GiB' or '70%%'")
     p.add_argument("--solver", default="auto")
@@ -98,7 +98,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(opts: argparse.Namespace) -> int:
     import remat
-    from remat import zoo
+    from remat.testing import zoo
 
     if opts.model not in zoo.NAMES:
         raise RematError(f"--model {opts.model!r} is not one of {list(zoo.NAMES)}")
@@ -110,7 +110,7 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
 
 def _build(opts: argparse.Namespace, sets: dict[str, Any]):
     """(Built, device_speed, cost model text) for TARGET with `sets`."""
-    from remat import target as tgt
+    from remat.cli import target as tgt
     from remat.frontend import devices
 
     factory = tgt.load_factory(opts.target)
@@ -144,9 +144,9 @@ def _call(tgt, factory, target: str, sets: dict[str, Any]):
 
 def _cmd_report(opts: argparse.Namespace) -> int:
     import remat
-    from remat import planner
-    from remat import target as tgt
-    from remat.progress import Stages
+    from remat.planning import planner
+    from remat.cli import target as tgt
+    from remat.cli.progress import Stages
     from remat.report import html, plots, text, to_json
     from remat.report.breakdown import TrainingOptions
     from remat.report.data import below_the_floor, build_report
@@ -196,10 +196,10 @@ def _cmd_report(opts: argparse.Namespace) -> int:
 
 def _cmd_fit(opts: argparse.Namespace) -> int:
     import remat
-    from remat import fit
-    from remat import target as tgt
-    from remat.budget import format_bytes
-    from remat.progress import Stages
+    from remat.cli import fit
+    from remat.cli import target as tgt
+    from remat.planning.budget import format_bytes
+    from remat.cli.progress import Stages
 
     if "%" in opts.budget:
         raise tgt.TargetError(f"--budget {opts.budget!r}: fit needs an absolute budget (e.g. 6GiB); "

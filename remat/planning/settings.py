@@ -3,7 +3,7 @@
 `remat.plan` builds it with `PlannerSettings.for_eager`, `remat.backend` with
 `PlannerSettings.for_backend`; each constructor holds its path's defaults and runs
 `check_settings`, so both entry points refuse the same bad values with the same words.
-`remat.planner.Partitioner` plans every graph of that entry point with it."""
+`remat.planning.planner.Partitioner` plans every graph of that entry point with it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from remat.budget import check_budget_syntax
+from remat.planning.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
 from remat.frontend.costs import COST_MODELS, DeviceSpeed
 from remat.frontend.offloading import check_offload
@@ -29,13 +29,13 @@ keyword option goes to the solver (`PlannerSettings.solver_options`)."""
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlannerSettings:
-    """What `remat.planner.Partitioner` plans every graph of one `remat.plan` or
+    """What `remat.planning.planner.Partitioner` plans every graph of one `remat.plan` or
     `remat.backend` with. What varies per graph (the budget the closed loop sets again,
     the ledger's share, the offload link of the graph's device) is the Partitioner's."""
 
     budget: int | str
     """As the user gave it: bytes, a string with units, or a percentage of the no-remat
-    peak (`remat.budget.resolve_budget`); it covers the whole forward+backward step."""
+    peak (`remat.planning.budget.resolve_budget`); it covers the whole forward+backward step."""
     solver: str = "auto"
     """A name in `solvers.SOLVERS`."""
     solver_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -50,7 +50,7 @@ class PlannerSettings:
     """Inductor compiles the result: offload through custom ops, reloads not prefetched
     (they wait in place there; remat/runtime/offload_ops.py)."""
     sync_ranks: bool | None = None
-    """Take rank 0's plan on every rank (`remat.distributed`); None: when a process group
+    """Take rank 0's plan on every rank (`remat.planning.distributed`); None: when a process group
     of more than one rank is initialized."""
     device_speed: DeviceSpeed | None = None
     """Roofline figures for per-op costs. None: measure this machine (outside any fake
@@ -72,11 +72,11 @@ class PlannerSettings:
     as they are)."""
     schedules: bool = False
     """Below every canonical plan, try plans that recompute a value more than once
-    (`remat.floor`); the eager runtime runs them (remat/runtime/schedule.py)."""
+    (`remat.planning.floor`); the eager runtime runs them (remat/runtime/schedule.py)."""
     measure_workspace: bool = True
     """Count each op's workspace measured on the device (`remat.frontend.workspace`): the
     budget is what the allocator serves, and kernel scratch no tensor holds is part of it
-    (without it the tiny cnn of `remat/zoo.py` at 100% reads 10.7% over the prediction
+    (without it the tiny cnn of `remat/testing/zoo.py` at 100% reads 10.7% over the prediction
     with the allocator, a ResNet 24%: bench/README.md, "The budget as the allocator
     counts it"). Planning with `device_speed` given (fake) assumes every workspace is 0:
     nothing may run there."""

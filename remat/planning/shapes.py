@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from remat.budget import format_bytes
+from remat.planning.budget import format_bytes
 from remat.errors import RematError
 
 

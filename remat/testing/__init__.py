@@ -1,0 +1,2 @@
+"""Aids for tests and benchmarks: small models to plan (`zoo`) and a step's measured
+memory (`measure`: the live-storage tracker, the profiler, CUDA's allocator)."""
