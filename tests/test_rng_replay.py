@@ -1,7 +1,7 @@
-"""Dropout recomputed by replaying the generator state (remat.frontend.random_ops,
-remat.runtime.rng): bit for bit equal to eager, the random stream after the step where
-eager leaves it, measured peak equal to the prediction, and a lower floor than saving
-every mask."""
+"""Dropout recomputed by replaying the generator state (remat.frontend.random_ops and
+rng_ops, remat.runtime.rng): bit for bit equal to eager, the random stream after the
+step where eager leaves it, measured peak equal to the prediction, and a lower floor
+than saving every mask."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import remat
 from remat.testing import zoo
 from remat.testing.measure import measure_step, measure_step_profiler
-from remat.runtime import rng
+from remat.frontend import rng_ops as rng
 from solvers import Decision, solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

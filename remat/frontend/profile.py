@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from remat.compat import HigherOrderOperator, OpOverload, optimization_hint
-from remat.runtime.rng import generator_state
+from remat.frontend.rng_ops import generator_state
 
 _NEVER_REPLAY_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "ao")
 

@@ -2,7 +2,7 @@
 
 Before each forward random op, a `generator_state` node reads the device's generator into
 a small tensor (5,056 bytes on CPU; 16 on CUDA, on the host), and the op reads it as an
-input (`remat.runtime.rng`). The planner then chooses per value, with the memory model it
+input (`remat.frontend.rng_ops`). The planner then chooses per value, with the memory model it
 uses for everything else: save the op's output, or save the state (never recomputed: it
 must be read in forward, where eager reads it) and recompute the op from it.
 
@@ -27,7 +27,7 @@ from torch import fx
 from remat.compat import OpOverload, classify_nodes
 from remat.frontend.profile import never_replay_reason, storage_bytes, tensor_val
 from remat.frontend.workspace import joint_device, measure
-from remat.runtime.rng import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
+from remat.frontend.rng_ops import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
 from solvers import Problem
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
@@ -70,7 +70,7 @@ def make_replayable(joint: fx.GraphModule, *, num_fwd_outputs: int,
         if node.op != "call_function" or not info.is_required_fw(node) or not _replayable(node):
             continue
         cost = cost_s(node)
-        # A replay holds the generator's current state (`rng.at_state`'s copy, made
+        # A replay holds the generator's current state (`rng_ops.at_state`'s copy, made
         # outside the dispatcher: the allocator sees it, a tensor tracker does not) while
         # its op runs: counted as the op's workspace (in forward, where nothing is
         # copied, that over-counts the state's bytes at one step).
