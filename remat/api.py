@@ -128,7 +128,7 @@ class Planned(SettingsView, nn.Module):
 
     def _compile(self, signature: FlatSignature, args: Sequence[Any], kwargs: dict[str, Any]):
         started = time.perf_counter()
-        flat = FlatModel(self.model, signature, loss_only=self.outputs == "loss")
+        flat = FlatModel(self.model, signature, outputs=self.outputs)
         # A tied weight goes to AOTAutograd once, so its gradients are summed in the plan.
         traced_module = TensorsOnce(flat) if TensorsOnce.has_tied(flat) else flat
         num_params = len(dict(traced_module.named_parameters(remove_duplicate=False))) + len(

@@ -110,14 +110,14 @@ def find_loss(output: Any) -> torch.Tensor:
 class FlatModel(nn.Module):
     """The model as a function of flat tensors; outputs flattened, only the loss
     differentiable (remat plans the backward of the loss; other outputs are detached).
-    `loss_only`: the loss is the only output (`remat.plan(..., outputs="loss")`); the other
+    `outputs="loss"` (as `remat.plan` takes it): the loss is the only output; the other
     tensors die inside the step, and `unflatten` gives None in their place."""
 
-    def __init__(self, model: nn.Module, signature: FlatSignature, *, loss_only: bool = False) -> None:
+    def __init__(self, model: nn.Module, signature: FlatSignature, *, outputs: str = "all") -> None:
         super().__init__()
         self.model = model
         self.signature = signature
-        self.loss_only = loss_only
+        self.outputs = outputs
         self.out_spec: pytree.TreeSpec | None = None
         self.out_positions: tuple[int, ...] = ()
         self.out_constants: tuple[Any, ...] = ()
@@ -129,7 +129,7 @@ class FlatModel(nn.Module):
         leaves, spec = pytree.tree_flatten(output)
         self.out_spec = spec
         tensor_leaves = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if self.loss_only:
+        if self.outputs == "loss":
             tensor_leaves = [next(i for i in tensor_leaves if leaves[i] is loss)]
         self.out_positions = tuple(tensor_leaves)
         # a tensor output not returned comes back as None
