@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from remat.errors import RematError
 from remat.planning.budget import format_bytes
 from solvers import Decision, Phase
 from solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
     from remat.planning.planner import PlannedStep
+    from remat.runtime.backend import RematBackend
     from remat.report.data import Report
 
 
@@ -122,3 +124,54 @@ def render(report: "Report") -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def backend_summary(be: "RematBackend") -> str:
+    """`remat.backend(...).summary()`: the step's budget across its graphs, how they were
+    compiled (cache, fusion, generated code against op by op), the measured peak against
+    the prediction, then each graph's `summary`."""
+    if not be.steps:
+        if be.cache_hits:
+            raise RematError(
+                f"{be.cache_hits} graph(s) came from torch's compile cache, so remat did not "
+                "plan them in this process, and remat's plan store had no record of them (a cache "
+                "written without cache=True, or cleared); build the backend with cache=False (the "
+                "default) for a report")
+        raise RematError("nothing planned yet: run the compiled model under autograd first")
+    step_wide = be.whole_step and be.ledger.predicted_step_bytes is not None
+    head = (be.ledger.describe() if be.whole_step and len(be.steps) > 1 else
+            f"{len(be.steps)} graphs captured: the budget {be.budget!r} holds per graph, "
+            "each planned on its own" if len(be.steps) > 1 else "")
+    compiled = f"compiled with {be.compiler} (cost model: {be.cost_model})"
+    if be.cache_hits:
+        compiled += (f"\ncache:           {be.cache_hits} graph(s) from torch's compile cache; "
+                     f"{be.stored_steps} plan(s) read back from remat's plan store")
+    if be.compiler == "inductor" and be.fusion_estimates:
+        compiled += (f"\nfusion:          {be.fusion}; inductor's own estimate per graph, before -> after "
+                     "fusion: " + ", ".join(
+                         f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
+                         for e in be.fusion_estimates))
+    graph_bytes = [(i, g) for i, step in enumerate(be.steps) for g in step.fusion_graph_bytes]
+    if graph_bytes:  # where the margin comes from: each graph as generated vs op by op
+        compiled += "\ngenerated code:  " + ", ".join(
+            f"{'' if len(be.steps) == 1 else f'#{i} '}{g.graph} {g.generated_bytes} B vs {g.op_by_op_bytes} B op by op"
+            for i, g in graph_bytes)
+    if be.measured is not None:
+        predicted = (be.ledger.predicted_step_bytes if step_wide else
+                     sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in be.steps))
+        margin = sum(step.fusion_margin_bytes for step in be.steps)
+        compiled += (f"\nmeasured peak:   {format_bytes(be.measured.peak_bytes)} (profiler, one step; "
+                     f"predicted {format_bytes(predicted)}"
+                     + (f", of which {format_bytes(margin)} is inductor's fusion" if margin > 0 else
+                        f", {format_bytes(-margin)} under remat's op-by-op model: inductor's fusion"
+                        if margin < 0 else "")
+                     + (", the sum of the graphs' peaks)" if len(be.steps) > 1 and not step_wide else ")"))
+        budget = (be.ledger.budget_bytes if step_wide
+                  else sum(step.budget_bytes for step in be.steps))
+        if be.measured.peak_bytes > budget:
+            compiled += (f"\nWARNING: the measured peak is {format_bytes(be.measured.peak_bytes - budget)} "
+                         "over the budget: what inductor ran differs from remat's op-by-op model "
+                         "here (fusion groups ops); lower the budget by that much, or use "
+                         "compiler='eager' for the exact model")
+    return "\n\n".join([line for line in (head, compiled) if line]
+                       + [summary(step) for step in be.steps])

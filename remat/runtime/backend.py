@@ -66,13 +66,12 @@ import torch
 from torch import fx
 
 from remat.planning import distributed
-from remat.planning.budget import format_bytes
 from remat.errors import CompositionError, RematError
 from remat.frontend import costs
 from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planning.planner import Partitioner, PlannedStep
-from remat.report import summary
+from remat.report.text import backend_summary
 from remat.runtime.inductor import plan_store
 from remat.runtime.step.ledger import StepLedger
 from remat.runtime.step.graph import LedgeredGraph
@@ -228,51 +227,9 @@ class RematBackend(SettingsView):
         )
 
     def summary(self) -> str:
-        if not self.steps:
-            if self.cache_hits:
-                raise RematError(
-                    f"{self.cache_hits} graph(s) came from torch's compile cache, so remat did not "
-                    "plan them in this process, and remat's plan store had no record of them (a cache "
-                    "written without cache=True, or cleared); build the backend with cache=False (the "
-                    "default) for a report")
-            raise RematError("nothing planned yet: run the compiled model under autograd first")
-        step_wide = self.whole_step and self.ledger.predicted_step_bytes is not None
-        head = (self.ledger.describe() if self.whole_step and len(self.steps) > 1 else
-                f"{len(self.steps)} graphs captured: the budget {self.budget!r} holds per graph, "
-                "each planned on its own" if len(self.steps) > 1 else "")
-        compiled = f"compiled with {self.compiler} (cost model: {self.cost_model})"
-        if self.cache_hits:
-            compiled += (f"\ncache:           {self.cache_hits} graph(s) from torch's compile cache; "
-                         f"{self.stored_steps} plan(s) read back from remat's plan store")
-        if self.compiler == "inductor" and self.fusion_estimates:
-            compiled += (f"\nfusion:          {self.fusion}; inductor's own estimate per graph, before -> after "
-                         "fusion: " + ", ".join(
-                             f"{e.graph} {e.before_fusion_bytes / 2**20:.2f} -> {e.after_fusion_bytes / 2**20:.2f} MiB"
-                             for e in self.fusion_estimates))
-        graph_bytes = [(i, g) for i, step in enumerate(self.steps) for g in step.fusion_graph_bytes]
-        if graph_bytes:  # where the margin comes from: each graph as generated vs op by op
-            compiled += "\ngenerated code:  " + ", ".join(
-                f"{'' if len(self.steps) == 1 else f'#{i} '}{g.graph} {g.generated_bytes} B vs {g.op_by_op_bytes} B op by op"
-                for i, g in graph_bytes)
-        if self.measured is not None:
-            predicted = (self.ledger.predicted_step_bytes if step_wide else
-                         sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in self.steps))
-            margin = sum(step.fusion_margin_bytes for step in self.steps)
-            compiled += (f"\nmeasured peak:   {format_bytes(self.measured.peak_bytes)} (profiler, one step; "
-                         f"predicted {format_bytes(predicted)}"
-                         + (f", of which {format_bytes(margin)} is inductor's fusion" if margin > 0 else
-                            f", {format_bytes(-margin)} under remat's op-by-op model: inductor's fusion"
-                            if margin < 0 else "")
-                         + (", the sum of the graphs' peaks)" if len(self.steps) > 1 and not step_wide else ")"))
-            budget = (self.ledger.budget_bytes if step_wide
-                      else sum(step.budget_bytes for step in self.steps))
-            if self.measured.peak_bytes > budget:
-                compiled += (f"\nWARNING: the measured peak is {format_bytes(self.measured.peak_bytes - budget)} "
-                             "over the budget: what inductor ran differs from remat's op-by-op model "
-                             "here (fusion groups ops); lower the budget by that much, or use "
-                             "compiler='eager' for the exact model")
-        return "\n\n".join([line for line in (head, compiled) if line]
-                           + [summary(step) for step in self.steps])
+        """What each captured graph's plan does, the step's budget across graphs, and the
+        measured peak against the prediction (`remat.report.text.backend_summary`)."""
+        return backend_summary(self)
 
     def measure(self, step: Callable[[], Any], *, register: Sequence[Any] = ()) -> Any:
         """Run `step` (one compiled forward+backward) under the profiler's allocation
