@@ -5,7 +5,6 @@
 """
 
 from remat.api import Planned, plan
-from remat.planning.budget import resolve_budget
 from remat.errors import (
     BudgetError,
     CompositionError,
@@ -16,6 +15,7 @@ from remat.errors import (
     UnsupportedGraphError,
     UnsupportedTorchError,
 )
+from remat.planning.budget import resolve_budget
 from remat.runtime.backend import RematBackend, backend
 
 __all__ = [

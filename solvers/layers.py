@@ -40,11 +40,11 @@ import logging
 import math
 import time
 
-from solvers.dp import fronts
 from solvers.base import WorkClock, finish
+from solvers.dp import fronts
 from solvers.dp.solver import DPOptions, _cheapest
-from solvers.dp.tables import block_tables
 from solvers.dp.structure import analyze
+from solvers.dp.tables import block_tables
 from solvers.problem import Decision, Phase, Plan, Problem
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import evaluate

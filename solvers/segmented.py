@@ -16,10 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from solvers.base import Options, finish
+from solvers.layer_structure import OUTSIDE
 from solvers.problem import Decision, Phase, Plan, Problem, Step
 from solvers.registry import UnsupportedProblem
 from solvers.simulate import _bring_back
-from solvers.layer_structure import OUTSIDE
 
 
 def segmented_schedule(problem: Problem, decisions: Mapping[int, Decision],

@@ -144,9 +144,9 @@ def _call(tgt, factory, target: str, sets: dict[str, Any]):
 
 def _cmd_report(opts: argparse.Namespace) -> int:
     import remat
-    from remat.planning import planner
     from remat.cli import target as tgt
     from remat.cli.progress import Stages
+    from remat.planning import planner
     from remat.report import html, plots, text, to_json
     from remat.report.breakdown import TrainingOptions
     from remat.report.data import below_the_floor, build_report
@@ -198,8 +198,8 @@ def _cmd_fit(opts: argparse.Namespace) -> int:
     import remat
     from remat.cli import fit
     from remat.cli import target as tgt
-    from remat.planning.budget import format_bytes
     from remat.cli.progress import Stages
+    from remat.planning.budget import format_bytes
 
     if "%" in opts.budget:
         raise tgt.TargetError(f"--budget {opts.budget!r}: fit needs an absolute budget (e.g. 6GiB); "

@@ -26,10 +26,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from remat.planning.budget import format_bytes
 from remat.errors import InfeasibleBudgetError
 from remat.frontend.offloading import offload_hint
 from remat.frontend.problem import GraphProblem
+from remat.planning.budget import format_bytes
 from solvers import SOLVERS, Plan, Problem, Status, solve
 from solvers.base import finish
 from solvers.least_peak import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_lower_bound, scheduled_plans

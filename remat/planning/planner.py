@@ -12,20 +12,20 @@ from typing import Any
 
 from torch import fx
 
-from remat.planning import distributed
-from remat.planning.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
-from remat.planning.floor import at_the_floor, refused_without_solving, solve_with_floor
 from remat.frontend import costs
 from remat.frontend.find_layers import layer_structure
+from remat.frontend.libraries import library_workspace_bytes
 from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
-from remat.planning.fused_recompute import prefer_fused_recompute
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.random_ops import make_replayable, with_replay_workspace
-from remat.frontend.libraries import library_workspace_bytes
 from remat.frontend.workspace import joint_device, with_workspace
-from remat.runtime.rewrite import partition
+from remat.planning import distributed
+from remat.planning.budget import format_bytes, resolve_budget
+from remat.planning.floor import at_the_floor, refused_without_solving, solve_with_floor
+from remat.planning.fused_recompute import prefer_fused_recompute
 from remat.planning.settings import PlannerSettings
+from remat.runtime.rewrite import partition
 from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
 from solvers.base import finish
 from solvers.prefetch import prefetch

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from remat.planning.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
 from remat.frontend.costs import COST_MODELS, DeviceSpeed
 from remat.frontend.offloading import check_offload
+from remat.planning.budget import check_budget_syntax
 from solvers import SOLVERS
 
 OUTPUTS = ("all", "loss")

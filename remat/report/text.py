@@ -12,8 +12,8 @@ from solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
     from remat.planning.planner import PlannedStep
-    from remat.runtime.backend import RematBackend
     from remat.report.data import Report
+    from remat.runtime.backend import RematBackend
 
 
 def summary(step: "PlannedStep", *, top: int = 10) -> str:

@@ -65,18 +65,18 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.planning import distributed
 from remat.errors import CompositionError, RematError
 from remat.frontend import costs
 from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
+from remat.planning import distributed
 from remat.planning.planner import Partitioner, PlannedStep
+from remat.planning.settings import OUTPUTS, PlannerSettings, SettingsView
 from remat.report.text import backend_summary
 from remat.runtime.inductor import plan_store
-from remat.runtime.step.ledger import StepLedger
-from remat.runtime.step.graph import LedgeredGraph
 from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
-from remat.planning.settings import OUTPUTS, PlannerSettings, SettingsView
+from remat.runtime.step.graph import LedgeredGraph
+from remat.runtime.step.ledger import StepLedger
 
 COMPILERS = ("inductor", "eager")
 

@@ -35,8 +35,8 @@ the target only falls and the loop ends (measured: one replan on every model tri
 
 
 def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
-    from remat.planning.budget import format_bytes
     from remat.errors import InfeasibleBudgetError
+    from remat.planning.budget import format_bytes
 
     need = peak_bytes + margin
     return InfeasibleBudgetError(

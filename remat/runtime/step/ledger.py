@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.planning.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
+from remat.planning.budget import format_bytes, resolve_budget
 from remat.runtime.step import split, storages
 from remat.runtime.step.ddp import DdpState
 from remat.runtime.step.fsdp import FsdpState
