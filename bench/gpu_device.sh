@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one call on a lent GPU machine (bench/README.md, "GPU"): ortools from
-# the wheels carried in .whl, then `pytest -m cuda tests/test_cuda.py` and bench/gpu.py for
+# the wheels carried in .whl, then `pytest -m cuda tests/integration/test_cuda.py` and bench/gpu.py for
 # each model, all at once on the one GPU (each row's step ratio is to eager interleaved in
 # its own process), every log under $OUT (8 files).
 #   TESTS_S, BENCH_S, ROW_S: caps in seconds; MODELS; GPT2_ROWS, LLAMA_ROWS: bench rows;
@@ -18,7 +18,7 @@ python3 -c "import torch, transformers, ortools; print(torch.__version__, transf
   >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 start=$SECONDS
-(timeout "${TESTS_S:-170}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
+(timeout "${TESTS_S:-170}" python3 -m pytest -q -m cuda tests/integration/test_cuda.py -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
  echo "tests: exit $? after $((SECONDS - start)) s" >> "$OUT/cuda_tests.log") &
 for model in ${MODELS:-gpt2 llama}; do
   rows=$([ "$model" = gpt2 ] && echo "${GPT2_ROWS:-}" || echo "${LLAMA_ROWS:-}")

@@ -19,7 +19,7 @@ a `RematError` naming the feature and the torch it needs (a random op's `generat
 Every private torch name the rest of remat uses is one of this module's names (a test
 checks that no other module of remat imports one). Those in `_PRIVATE` are resolved on
 first use, so importing remat imports no more of torch than the modules that use them
-did; torch 2.11, 2.13 and 2.14 have all of them (`tests/test_compat.py` resolves each on
+did; torch 2.11, 2.13 and 2.14 have all of them (`tests/integration/test_compat.py` resolves each on
 the torch it runs on). Where a torch lacks one, using it raises `UnsupportedTorchError`
 naming the feature that needs it and the torch versions that have it; the features that
 do not need it keep working.

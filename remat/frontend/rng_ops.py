@@ -11,7 +11,7 @@ replay never moves the global random stream (torch's `run_with_rng_state` does t
 same). Dropout is split in two values, so that each is one decision: `dropout_mask`
 (the random part: `native_dropout`'s mask) and `native_dropout_backward(x, mask,
 scale)` (`DROPOUT_APPLY`), which is bit for bit `native_dropout`'s output on CPU (both
-are `x * mask * scale`; `tests/test_rng_replay.py` checks it).
+are `x * mask * scale`; `tests/runtime/test_rng_replay.py` checks it).
 """
 
 from __future__ import annotations

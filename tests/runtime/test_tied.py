@@ -83,7 +83,7 @@ def _clear(model):
 _CASES: dict[str, types.SimpleNamespace] = {}
 
 
-# GPT-2 and BERT at 100% (tiny zoo sizes) run in tests/test_workspace.py; here at the
+# GPT-2 and BERT at 100% (tiny zoo sizes) run in tests/frontend/test_workspace.py; here at the
 # floor, where the sum decides the peak.
 @pytest.mark.parametrize("name,at", [("tied-lm", "100%"), ("tied-lm", "floor"), ("gpt2", "floor"),
                                      ("bert", "floor")])

@@ -17,7 +17,7 @@ from remat.frontend.fake import build_fake
 
 pytest.importorskip("transformers")
 
-LLAMA_7B = Path(__file__).resolve().parents[1] / "examples" / "llama7b_factory.py"
+LLAMA_7B = Path(__file__).resolve().parents[2] / "examples" / "llama7b_factory.py"
 
 RUN_AND_REPORT_RSS = textwrap.dedent('''
     import resource, sys

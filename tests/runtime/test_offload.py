@@ -40,7 +40,7 @@ def _floor(case: zoo.ModelCase) -> InfeasibleBudgetError:
 
 # cnn: BatchNorm and dropout. mlp's floor search (ilp's smallest-peak loop) alone takes
 # 20-30 s here and vit's offload plan ~90 s, so they are measured in bench/offload.py;
-# tests/test_shapes.py measures another model that only offload fits.
+# tests/planning/test_shapes.py measures another model that only offload fits.
 @pytest.mark.parametrize("name", ["cnn"])
 def test_offload_below_the_recompute_floor_is_exact_and_within_budget(name):
     case = zoo.build(name, size="tiny")

@@ -1,6 +1,6 @@
 """CUDA: the paths a GPU adds, on a small GPT-2 (dropout 0.1, SDPA's fused kernels with
 their Philox seeds). Skipped without a CUDA device; on a GPU machine run them alone:
-`python -m pytest -q -m cuda tests/test_cuda.py` (a few minutes).
+`python -m pytest -q -m cuda tests/integration/test_cuda.py` (a few minutes).
 
 They check what CPU cannot: the planned step at the floor with offload (pinned buffers,
 a side stream, events) and with SDPA's dropout replayed, bit for bit against eager;

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _CHILD = textwrap.dedent(
     """

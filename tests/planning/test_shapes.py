@@ -38,7 +38,7 @@ class Seq(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         # BatchNorm over the flattened tokens (a transposed (B, D, T) view is
-        # tests/test_layouts.py's model; the floors above are measured for this one)
+        # tests/frontend/test_layouts.py's model; the floors above are measured for this one)
         h = self.norm(h.flatten(0, 1))
         return nn.functional.cross_entropy(self.head(h), labels.flatten())
 
