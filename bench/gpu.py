@@ -120,8 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     eager.to(device)
     reference = run(eager)
     theirs, again = grads(eager, reference), grads(eager, reference)
-    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, theirs))
-    noise = max(float((a.float() - b.float()).abs().max()) for a, b in zip(again, theirs))
+    diff, noise = largest_difference(ours, theirs), largest_difference(again, theirs)
     equal = all(torch.equal(a, b) for a, b in zip(ours, theirs))
     traced_path = getattr(getattr(fn, "step", None), "library_trace_path", "")
     if traced_path:  # the model was traced on its library's compile path: eager on that path too
@@ -140,6 +139,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "budget_bytes": budget, "step_ratio": statistics.median(ratios), "prepare_s": prepare_s,
             "grads_equal": equal, "max_grad_diff": diff, "eager_vs_itself": noise,
             "equal_to_eager_on_the_traced_path": equal_on_path if traced_path else None}
+
+
+def largest_difference(xs, ys) -> float:
+    """The largest element-wise difference between two lists of gradients."""
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(xs, ys))
 
 
 def measure(step, model, ids, device: str, instrument: str) -> int:

@@ -334,6 +334,17 @@ def fsdp2_mixed_precision() -> dict[str, Any]:
     }
 
 
+def _steps_side_by_side(ours: Callable[..., Any], theirs: Callable[..., Any], models: tuple[nn.Module, ...],
+                        rank: int, steps: int = 2) -> None:
+    """`steps` training steps of `ours` and `theirs` on this rank's batches, each from
+    cleared gradients of `models`."""
+    for step in range(steps):
+        for model in models:
+            model.zero_grad(set_to_none=True)
+        ours(**rank_batch(rank, step)).loss.backward()
+        theirs(**rank_batch(rank, step)).loss.backward()
+
+
 def fsdp2_inductor_percentage() -> dict[str, Any]:
     """torch.compile(fully_shard-ed Qwen2, backend=remat.backend(budget="90%")) with
     inductor: a percentage of the whole step's no-remat peak under inductor, two steps,
@@ -344,12 +355,7 @@ def fsdp2_inductor_percentage() -> dict[str, Any]:
     base = qwen2(layers=2)
     eager, ours = _shard(copy.deepcopy(base)), _shard(base)
     backend = remat.backend(budget="90%", solver="chen-greedy")
-    run = torch.compile(ours, backend=backend)
-    for step in range(2):
-        for model in (eager, ours):
-            model.zero_grad(set_to_none=True)
-        run(**rank_batch(rank, step)).loss.backward()
-        eager(**rank_batch(rank, step)).loss.backward()
+    _steps_side_by_side(torch.compile(ours, backend=backend), eager, (eager, ours), rank)
     close = all(torch.allclose(a.grad.to_local(), b.grad.to_local(), rtol=1e-4, atol=1e-6)
                 for a, b in zip(eager.parameters(), ours.parameters()))
     return {
@@ -373,12 +379,8 @@ def ddp_inductor_percentage() -> dict[str, Any]:
     base = qwen2(hidden=128)
     reference = copy.deepcopy(base)
     backend = remat.backend(budget="90%", solver="chen-greedy")
-    ours, theirs = torch.compile(DDP(base, bucket_cap_mb=1), backend=backend), DDP(reference, bucket_cap_mb=1)
-    for step in range(2):
-        for model in (base, reference):
-            model.zero_grad(set_to_none=True)
-        ours(**rank_batch(rank, step)).loss.backward()
-        theirs(**rank_batch(rank, step)).loss.backward()
+    _steps_side_by_side(torch.compile(DDP(base, bucket_cap_mb=1), backend=backend), DDP(reference, bucket_cap_mb=1),
+                        (base, reference), rank)
     close = all(torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6)
                 for a, b in zip(reference.parameters(), base.parameters()))
     return {

@@ -47,9 +47,7 @@ def library_workspace_bytes(device: torch.device) -> int:
 
 
 def _measure(device: torch.device) -> int:
-    from remat.compat import unset_fake_temporarily
-
-    with unset_fake_temporarily(), torch.no_grad(), torch.autocast("cuda", enabled=False), \
+    with compat.unset_fake_temporarily(), torch.no_grad(), torch.autocast("cuda", enabled=False), \
             torch.cuda.device(device):
         torch.cuda.synchronize(device)
         compat.clear_cublas_workspaces()

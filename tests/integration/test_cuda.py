@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import remat
+from remat.testing.measure import measure_step_cuda
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -43,17 +44,14 @@ def _step(model, ids):
 
 
 def _peak(model, ids) -> int:
-    """`torch.cuda.max_memory_allocated` over one step, with only `model`, `ids` and
-    what torch holds for the process (the cuBLAS workspaces) on the GPU before it."""
+    """`torch.cuda.max_memory_allocated` over one step (`measure_step_cuda`), with only
+    `model`, `ids` and what torch holds for the process (the cuBLAS workspaces) on the GPU
+    before it."""
     def step():
         torch.manual_seed(1)
         model(ids, labels=ids).loss.backward()
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    peak = measure_step_cuda(step).peak_bytes
     model.zero_grad(set_to_none=True)
     return peak
 
