@@ -1,7 +1,7 @@
 """Torch-free rematerialization planning: problem types, the memory model, the solvers.
 
 This package imports numpy, networkx and ortools at most, never torch or remat
-(tests/solvers/test_torch_free.py enforces it).
+(tests/solver/test_torch_free.py enforces it).
 """
 
 from solvers.base import Options

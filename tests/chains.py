@@ -1,5 +1,5 @@
 """The hand-made chain problem shared by the torch-free tests that derive their expected
-numbers by hand (tests/solvers/test_simulate.py, tests/solvers/test_prefetch.py)."""
+numbers by hand (tests/solver/test_simulate.py, tests/solver/test_prefetch.py)."""
 
 from __future__ import annotations
 

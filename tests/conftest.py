@@ -32,7 +32,7 @@ def one_thread():
 def _no_dp_table_cache(monkeypatch):
     """dp's block tables stay off disk in tests (REMAT_DP_TABLE_CACHE=0): tests must build
     what they check, and must not fill or read the user's ~/.cache/remat.
-    tests/solvers/test_dp_table_cache.py turns it on under tmp_path."""
+    tests/solver/test_dp_table_cache.py turns it on under tmp_path."""
     monkeypatch.setenv("REMAT_DP_TABLE_CACHE", "0")
 
 

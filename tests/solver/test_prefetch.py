@@ -29,7 +29,7 @@ def _chain(gc_s: float, gb_s: float, budget: int) -> Problem:
     these tests work from): gc gc_s s, gb gb_s s, ga 1 s; bandwidth 50 B/s: a's 100 bytes
     take 2 s each way.
 
-    With a OFFLOAD, b and c SAVE, canonical timeline (tests/solvers/test_simulate.py):
+    With a OFFLOAD, b and c SAVE, canonical timeline (tests/solver/test_simulate.py):
     Fa 110, Fb 210 (a leaves -> 110), Fc 210, Fd 214; Bt 218; Bgc 318 (t, c die -> 214);
     Bgb 314 (gc, b die -> 114); Ra 214; Bga 314. Peak 318; the reload shows in full, 2 s.
     Reload before gb: Bgc 318 -> 214; Ra 314; Bgb 414 -> 214; Bga 314. Peak 414.
