@@ -16,24 +16,16 @@ budget. The table goes to stdout.
 from __future__ import annotations
 
 import argparse
-import types
 import os
-import sys
-from pathlib import Path
+import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# bench/solvers.py must not shadow the `solvers` package that remat imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.append(str(Path(__file__).resolve().parent))  # last: bench/models_hf.py
-# The repository first: an editable install's finder runs after the path search, which
-# would otherwise find bench/solvers.py through the entry just appended.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.testing import zoo  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.testing.measure import measure_step, measure_step_profiler  # noqa: E402
 
 

@@ -40,18 +40,14 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Python puts this folder first on sys.path; bench/solvers.py must not shadow the
-# `solvers` package that remat imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-
 from torch._export.utils import _compiling_state_context  # noqa: E402
 
-from remat.testing import zoo  # noqa: E402
 from remat.frontend.costs import FlopCounter  # noqa: E402
 from remat.frontend.trace import compile_joint  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.testing.measure import measure_step, measure_step_profiler  # noqa: E402
 
 log = logging.getLogger("bench.compare")
@@ -692,7 +688,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _default_solvers() -> tuple[str, ...]:
     try:
-        from solvers import SOLVERS
+        from remat_solvers import SOLVERS
     except ImportError:
         return ("auto",)
     names = [s for s in SOLVERS if s != "brute"]

@@ -25,15 +25,11 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 
 if "compare" not in sys.modules:  # run directly; under compare.py --compiled it is that module
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import compare  # noqa: E402  (bench/compare.py: Row, Prepared, measuring helpers)
-
-    sys.path.pop(0)
 compare = sys.modules["compare"]
 
 from remat.testing import zoo  # noqa: E402

@@ -18,16 +18,11 @@ import gc
 import os
 import statistics
 import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
+import compiled  # noqa: E402  (bench/compiled.py: the two compiled steps, prepared alike; it imports bench/compare.py)
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compiled  # noqa: E402  (bench/compiled.py: the two compiled steps, prepared alike; it
-                 # imports bench/compare.py and takes this folder off sys.path again)
 
 compare = sys.modules["compare"]
 

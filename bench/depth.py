@@ -12,7 +12,7 @@ solver's plan space ('-' without a bound), solve s, rewrite s, objective (s).
 `--solve-only` times the solver alone, reproducibly: each model is traced once
 (`remat.plan` at 100% with solver "none") and its Problem pickled under --problem-dir
 (reused while the file exists; --retrace rebuilds it), then one fresh process per model
-runs `solvers.solve(problem.with_budget(f * no-remat peak), solver)` for each budget in
+runs `remat_solvers.solve(problem.with_budget(f * no-remat peak), solver)` for each budget in
 turn (the first budget is cold: no block table cached in the process) and reports CPU
 and wall seconds of that call only, and the plan's `work_s` (the nominal seconds its
 deterministic clock charged).
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODELS = (("gpt2", 12), ("gpt2", 24), ("gpt2", 48), ("llama", 32))
 BUDGETS = (0.8, 0.65, 0.5)
@@ -64,7 +63,7 @@ def build(family: str, n_layers: int):
 def row(family: str, n_layers: int, fraction: float, solver: str, options: dict) -> dict:
     import remat
     from remat.errors import InfeasibleBudgetError
-    from solvers import Status
+    from remat_solvers import Status
 
     model, args, kwargs = build(family, n_layers)
     started = time.perf_counter()
@@ -131,7 +130,7 @@ def traced_problem(spec: str, directory: Path, retrace: bool = False) -> Path:
 
 def solve_rows(path: Path, budgets: list[float], solver: str, options: dict) -> list[dict]:
     """In this process: solve the pickled problem at each budget, timing the solve only."""
-    from solvers import Status, solve
+    from remat_solvers import Status, solve
 
     with open(path, "rb") as f:
         problem = pickle.load(f)

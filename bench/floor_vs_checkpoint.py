@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # the repository first: bench/solvers.py would shadow the solvers package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 import remat
-from remat.testing import zoo
 from remat.errors import InfeasibleBudgetError
+from remat.testing import zoo
 from remat.testing.measure import measure_step
 
 SPECS = {

@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# bench/solvers.py would shadow the `solvers` package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 ROWS = ("eager", "checkpointing", "compile@1.0", "compile@0.5", "remat@checkpointing",
         "remat@1.2x checkpointing", "remat@floor", "remat offload@0.8x floor", "backend@compile 0.5")

@@ -12,6 +12,8 @@ if ! python3 -c "import ortools" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$OUT/env.txt" 2>&1 || { cat "$OUT/env.txt"; exit 1; }
 fi
+# The checkout is not installed there: solvers/ is importable as remat_solvers through a link.
+mkdir -p /tmp/site && ln -sfn "$PWD/solvers" /tmp/site/remat_solvers
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/env.txt" 2>&1
 python3 -c "import torch, transformers, ortools; print(torch.__version__, transformers.__version__, ortools.__version__)" \

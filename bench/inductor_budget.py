@@ -23,16 +23,12 @@ import argparse
 import gc
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compiled  # noqa: E402  (bench/compiled.py; it imports bench/compare.py)
+import torch  # noqa: E402
 
 compare = sys.modules["compare"]
 

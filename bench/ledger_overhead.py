@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
 
 import remat  # noqa: E402
-from remat.testing import zoo  # noqa: E402
 from remat.runtime.step.graph import LedgeredGraph  # noqa: E402
 from remat.runtime.step.ledger import StepLedger  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 
 ENTRY_POINTS = ("begin", "future_grad_bytes", "record")
 """The ledger's methods `LedgeredGraph.__call__` calls once per graph call."""

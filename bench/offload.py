@@ -17,21 +17,18 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# bench/solvers.py must not shadow the `solvers` package that remat imports.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+from remat_solvers import Decision  # noqa: E402
 
 import remat  # noqa: E402
-from remat.testing import zoo  # noqa: E402
-from remat.planning.budget import format_bytes  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
+from remat.planning.budget import format_bytes  # noqa: E402
+from remat.testing import zoo  # noqa: E402
 from remat.testing.measure import measure_step  # noqa: E402
-from solvers import Decision  # noqa: E402
 
 HEADER = ("| model | budget | / recompute floor | predicted peak | measured peak | offloaded "
           "| transfer ms (hidden) | extra ms: offload plan | extra ms: recompute-only at floor | grads == eager |")

@@ -27,10 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from solvers import Problem, Status, UnsupportedProblem, solve  # noqa: E402
-from solvers import builders  # noqa: E402
+from remat_solvers import Problem, Status, UnsupportedProblem, builders, solve
 
 SIZES = (100, 300, 1000, 3000, 10_000)
 BUDGETS = (0.3, 0.5, 0.7)
@@ -168,8 +165,7 @@ def mip_model(problem: Problem, backend: str):
     views or offload: y[v,t] = "v brought back by node t", q[v,t] = "v read at or after t",
     a[v,t] = "v's storage live at t"; memory <= budget at every node step."""
     from ortools.linear_solver import pywraplp
-
-    from solvers.ilp.data import model_data
+    from remat_solvers.ilp.data import model_data
 
     d, nodes = model_data(problem), problem.nodes
     if any(nodes[v].alias_of is not None for v in d.decision) or problem.offload_bandwidth_bytes_per_s:

@@ -26,7 +26,7 @@ from remat.planning.planner import Partitioner, PlannedStep
 from remat.planning.settings import PlannerSettings, SettingsView
 from remat.planning.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from remat.report import summary
-from solvers import Plan
+from remat_solvers import Plan
 
 log = logging.getLogger(__name__)
 

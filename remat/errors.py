@@ -19,7 +19,7 @@ class UnknownSolverError(RematError, ValueError):
 
 class InfeasibleBudgetError(RematError):
     """No plan fits the budget; `min_peak_bytes` is the smallest reachable peak and
-    `min_peak_plan` (a `solvers.Plan`, when known) the plan that reaches it: planning at
+    `min_peak_plan` (a `remat_solvers.Plan`, when known) the plan that reaches it: planning at
     exactly `min_peak_bytes` succeeds, and `remat.plan(..., hint=error.min_peak_plan)`
     starts from it."""
 

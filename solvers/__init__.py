@@ -4,8 +4,8 @@ This package imports numpy, networkx and ortools at most, never torch or remat
 (tests/solver/test_torch_free.py enforces it).
 """
 
-from solvers.base import Options
-from solvers.problem import (
+from remat_solvers.base import Options
+from remat_solvers.problem import (
     Decision,
     Evaluation,
     Node,
@@ -17,9 +17,9 @@ from solvers.problem import (
     StepKind,
     decisions_all,
 )
-from solvers.registry import SOLVERS, SolverSpec, UnsupportedProblem, make_options, register, solve
-from solvers.simulate import PlanError, evaluate, simulate
-from solvers import _builtin  # noqa: F401  (registers the built-in solvers)
+from remat_solvers.registry import SOLVERS, SolverSpec, UnsupportedProblem, make_options, register, solve
+from remat_solvers.simulate import PlanError, evaluate, simulate
+from remat_solvers import _builtin  # noqa: F401  (registers the built-in solvers)
 
 __all__ = [
     "Decision",

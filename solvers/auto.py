@@ -27,10 +27,10 @@ import time
 
 from collections.abc import Mapping
 
-from solvers.base import Options, finish, hint_decisions
-from solvers.problem import Decision, Plan, Problem, Status
-from solvers.simulate import PlanError, evaluate
-from solvers.registry import SOLVERS, UnsupportedProblem, make_options
+from remat_solvers.base import Options, finish, hint_decisions
+from remat_solvers.problem import Decision, Plan, Problem, Status
+from remat_solvers.simulate import PlanError, evaluate
+from remat_solvers.registry import SOLVERS, UnsupportedProblem, make_options
 
 log = logging.getLogger(__name__)
 

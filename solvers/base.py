@@ -7,8 +7,8 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-from solvers.problem import Decision, Plan, Problem, Status
-from solvers.simulate import evaluate
+from remat_solvers.problem import Decision, Plan, Problem, Status
+from remat_solvers.simulate import evaluate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,10 +11,10 @@ import math
 import time
 from collections.abc import Iterator
 
-from solvers.base import Options, finish
-from solvers.problem import Decision, Evaluation, Plan, Problem
-from solvers.registry import UnsupportedProblem
-from solvers.simulate import PlanError, evaluate
+from remat_solvers.base import Options, finish
+from remat_solvers.problem import Decision, Evaluation, Plan, Problem
+from remat_solvers.registry import UnsupportedProblem
+from remat_solvers.simulate import PlanError, evaluate
 
 MAX_VARIABLES = 18
 """More decision values than this are refused (2**18 simulations of a ~50-node problem

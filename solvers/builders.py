@@ -25,8 +25,8 @@ import math
 import random
 from collections.abc import Sequence
 
-from solvers.problem import Decision, Node, Phase, Problem, decisions_all
-from solvers.simulate import evaluate
+from remat_solvers.problem import Decision, Node, Phase, Problem, decisions_all
+from remat_solvers.simulate import evaluate
 
 # Roofline figures for the synthetic cost model (an H100-class device, order of
 # magnitude only): seconds = max(flops / PEAK_FLOPS, bytes_moved / PEAK_BYTES_PER_S).

@@ -13,9 +13,9 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from solvers.base import Options, WorkClock, finish
-from solvers.problem import Decision, Phase, Plan, Problem, decisions_all
-from solvers.simulate import evaluate
+from remat_solvers.base import Options, WorkClock, finish
+from remat_solvers.problem import Decision, Phase, Plan, Problem, decisions_all
+from remat_solvers.simulate import evaluate
 
 GREEDY_GRID_POINTS = 18
 """Geometric threshold points per candidate set; with two candidate sets and the fixed

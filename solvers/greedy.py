@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import time
 
-from solvers.base import Options, WorkClock, finish
-from solvers.problem import Decision, Plan, Problem, decisions_all
-from solvers.simulate import PlanError, evaluate
+from remat_solvers.base import Options, WorkClock, finish
+from remat_solvers.problem import Decision, Plan, Problem, decisions_all
+from remat_solvers.simulate import PlanError, evaluate
 
 _TINY_S = 1e-15  # keeps zero-cost values (views) first without dividing by zero
 
@@ -37,7 +37,7 @@ def solve_greedy(problem: Problem, options: Options) -> Plan:
     clock = WorkClock(options.time_limit_s)
     starts = [_shrink(problem, clock)]
     for name in ("chen-greedy", "all"):  # other starting points, trimmed the same way
-        from solvers.registry import get  # late: the registry imports this module
+        from remat_solvers.registry import get  # late: the registry imports this module
 
         plan = get(name).run(problem, options)
         clock.charge_s(plan.work_s)

@@ -16,7 +16,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # a cycle at run time: problem.py holds a LayerStructure field
-    from solvers.problem import Problem
+    from remat_solvers.problem import Problem
 
 OUTSIDE = -1
 """layer_of value of a node that ran in no repeated layer (embeddings, head, loss, backward)."""

@@ -40,14 +40,14 @@ import logging
 import math
 import time
 
-from solvers.base import WorkClock, finish
-from solvers.dp import fronts
-from solvers.dp.solver import DPOptions, _cheapest
-from solvers.dp.structure import analyze
-from solvers.dp.tables import block_tables
-from solvers.problem import Decision, Phase, Plan, Problem
-from solvers.registry import UnsupportedProblem
-from solvers.simulate import evaluate
+from remat_solvers.base import WorkClock, finish
+from remat_solvers.dp import fronts
+from remat_solvers.dp.solver import DPOptions, _cheapest
+from remat_solvers.dp.structure import analyze
+from remat_solvers.dp.tables import block_tables
+from remat_solvers.problem import Decision, Phase, Plan, Problem
+from remat_solvers.registry import UnsupportedProblem
+from remat_solvers.simulate import evaluate
 
 log = logging.getLogger(__name__)
 

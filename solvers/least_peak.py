@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 
-from solvers.base import finish
-from solvers.problem import Decision, Phase, Plan, Problem, decisions_all
-from solvers.registry import SOLVERS, UnsupportedProblem, solve
-from solvers.segmented import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
-from solvers.simulate import PlanError, evaluate
+from remat_solvers.base import finish
+from remat_solvers.problem import Decision, Phase, Plan, Problem, decisions_all
+from remat_solvers.registry import SOLVERS, UnsupportedProblem, solve
+from remat_solvers.segmented import checkpoint_decisions, layer_segments, per_reader_segments, segmented_schedule
+from remat_solvers.simulate import PlanError, evaluate
 
 FLOOR_TIME_LIMIT_S = 10.0
 """Deterministic seconds the floor search may spend (the ilp default)."""

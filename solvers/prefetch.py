@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
-from solvers.simulate import evaluate
+from remat_solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
+from remat_solvers.simulate import evaluate
 
 
 def prefetch(problem: Problem, plan: Plan) -> Plan:

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from solvers.layer_structure import LayerStructure
+from remat_solvers.layer_structure import LayerStructure
 
 
 class Phase(enum.Enum):

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from solvers.base import Options
-from solvers.problem import Plan, Problem
+from remat_solvers.base import Options
+from remat_solvers.problem import Plan, Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,6 @@ def solve(problem: Problem, solver: str = "auto", **options: object) -> Plan:
     Never raises for an impossible budget: the plan's status is INFEASIBLE and its
     `peak_bytes` the smallest peak the solver reached."""
     if not isinstance(problem, Problem):
-        raise TypeError(f"problem must be a solvers.Problem, got {type(problem).__name__}")
+        raise TypeError(f"problem must be a remat_solvers.Problem, got {type(problem).__name__}")
     spec = get(solver)
     return spec.run(problem, make_options(solver, **options))

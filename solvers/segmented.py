@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from solvers.base import Options, finish
-from solvers.layer_structure import OUTSIDE
-from solvers.problem import Decision, Phase, Plan, Problem, Step
-from solvers.registry import UnsupportedProblem
-from solvers.simulate import _bring_back
+from remat_solvers.base import Options, finish
+from remat_solvers.layer_structure import OUTSIDE
+from remat_solvers.problem import Decision, Phase, Plan, Problem, Step
+from remat_solvers.registry import UnsupportedProblem
+from remat_solvers.simulate import _bring_back
 
 
 def segmented_schedule(problem: Problem, decisions: Mapping[int, Decision],

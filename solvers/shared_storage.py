@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from solvers.base import finish
-from solvers.problem import Decision, Phase, Plan, Problem, Status, Step, StepKind
-from solvers.simulate import evaluate
+from remat_solvers.base import finish
+from remat_solvers.problem import Decision, Phase, Plan, Problem, Status, Step, StepKind
+from remat_solvers.simulate import evaluate
 
 
 def shared_saves(problem: Problem, plan: Plan, steps: Sequence[Step] | None = None) -> dict[int, list[int]]:

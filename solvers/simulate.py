@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
+from remat_solvers.problem import Decision, Evaluation, Phase, Plan, Problem, Step, StepKind
 
 
 class PlanError(ValueError):

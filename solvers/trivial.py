@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from solvers.base import Options, finish
-from solvers.problem import Decision, Plan, Problem, decisions_all
+from remat_solvers.base import Options, finish
+from remat_solvers.problem import Decision, Plan, Problem, decisions_all
 
 
 def solve_none(problem: Problem, options: Options) -> Plan:

@@ -3,7 +3,7 @@ numbers by hand (tests/solver/test_simulate.py, tests/solver/test_prefetch.py)."
 
 from __future__ import annotations
 
-from solvers import Node, Phase, Problem
+from remat_solvers import Node, Phase, Problem
 
 F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from solvers import Problem, Status, StepKind, solve
+from remat_solvers import Problem, Status, StepKind, solve
 
 REL = dict(rel=1e-9, abs=1e-12)
 

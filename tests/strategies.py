@@ -9,9 +9,9 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from solvers import Decision, Phase, Problem, decisions_all
-from solvers.builders import FwdOp, joint_from_forward
-from solvers.simulate import evaluate
+from remat_solvers import Decision, Phase, Problem, decisions_all
+from remat_solvers.builders import FwdOp, joint_from_forward
+from remat_solvers.simulate import evaluate
 
 COSTS = [0.0, 0.125, 0.5, 1.0, 1.5, 2.0, 3.0, 8.0]
 

@@ -393,7 +393,7 @@ COST_MODELS = ("eager", "compiled", "compiled-traffic")
 - ``"compiled-traffic"``: the same recompute costs, and the traffic of saving in the
   objective itself: a saved pointwise value that the backward reads costs 2 x its bytes
   over the bandwidth (written in the forward, read back in the backward; recomputed, it
-  is fused into its readers and never written), `solvers.Node.save_s`. Every solver's
+  is fused into its readers and never written), `remat_solvers.Node.save_s`. Every solver's
   objective and `simulate`'s cost then include it; `dp`/`layers` decline such problems
   (their tables count recompute seconds only), so `auto` uses `ilp`. The default of
   `remat.backend` (inductor): at torch.compile's 0.5 point its plans ran GPT-2 tiny's

@@ -3,7 +3,7 @@
 The layers are the children `<prefix>.0`, `<prefix>.1`, ... of one container (a
 ModuleList such as GPT-2's `transformer.h` or LLaMA's `model.layers`): of the prefixes
 that number two or more children, the one whose children ran the most forward nodes.
-The result is torch-free data (`solvers.layer_structure.LayerStructure`) handed to solvers in
+The result is torch-free data (`remat_solvers.layer_structure.LayerStructure`) handed to solvers in
 `Problem.layers`; None when no such container exists or its layers do not run one after
 the other.
 """
@@ -17,7 +17,7 @@ from collections import Counter
 from torch import fx
 
 from remat.frontend.problem import GraphProblem
-from solvers.layer_structure import OUTSIDE, LayerStructure
+from remat_solvers.layer_structure import OUTSIDE, LayerStructure
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from remat.errors import RematError
 from remat.frontend import costs
 from remat.frontend.problem import GraphProblem
 from remat.planning.budget import format_bytes
-from solvers import Decision, Phase, Problem, simulate
+from remat_solvers import Decision, Phase, Problem, simulate
 
 OFFLOAD_VALUES = ("auto", True, False, "fallback")
 

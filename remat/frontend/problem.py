@@ -1,4 +1,4 @@
-"""Joint fx graph + costs -> `solvers.Problem`, with the map back to fx nodes.
+"""Joint fx graph + costs -> `remat_solvers.Problem`, with the map back to fx nodes.
 
 Each tensor value of the joint graph becomes one problem node, except:
 - a multi-output op (`native_layer_norm`, `native_dropout`, ...) and its `getitem`s:
@@ -34,7 +34,7 @@ from remat.compat import classify_nodes
 from remat.frontend.accumulate import in_place_operand
 from remat.frontend.profile import (joint_device_type, made_at_run, never_replay_reason, source_line, storage_bytes,
                                     storage_key, tensor_val)
-from solvers import Node, Phase, Problem
+from remat_solvers import Node, Phase, Problem
 
 LIBRARY_WORKSPACES = "remat_library_workspaces"
 """Name of the problem node (no fx node) that holds the CUDA math libraries' persistent

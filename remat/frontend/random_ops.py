@@ -28,7 +28,7 @@ from remat.compat import OpOverload, classify_nodes
 from remat.frontend.profile import never_replay_reason, storage_bytes, tensor_val
 from remat.frontend.rng_ops import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
 from remat.frontend.workspace import joint_device, measure
-from solvers import Problem
+from remat_solvers import Problem
 
 _NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 _EXACT_SPLIT_DTYPES = (torch.float32, torch.float64)

@@ -36,7 +36,7 @@ from torch import fx
 from remat import compat
 from remat.compat import OpOverload
 from remat.frontend.profile import made_at_run, tensor_val
-from solvers import Phase, Problem
+from remat_solvers import Phase, Problem
 
 log = logging.getLogger(__name__)
 

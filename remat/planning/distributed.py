@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from remat.errors import CompositionError
-from solvers import Plan, Problem
+from remat_solvers import Plan, Problem
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A floor that plans: when no plan fits, the smallest reachable peak and the plan that
 reaches it, such that planning at exactly that budget succeeds.
 
-The floor is `solvers.least_peak.least_peak_plan`'s (deterministic, independent of the budget):
+The floor is `remat_solvers.least_peak.least_peak_plan`'s (deterministic, independent of the budget):
 the failed solve's own smallest-peak plan is not a candidate, since it depends on the
 budget asked for (Whisper tiny's differs between a 60% and a 1-byte budget, and a new
 process planning at the smaller figure would be refused). So every
@@ -12,7 +12,7 @@ solve of the same graph (the user re-planning at the reported floor) is warm-sta
 with it (`hint`).
 
 With `schedules` (the eager runtime's default), a budget no canonical plan fits is then
-tried with the plans that recompute a value more than once (`solvers.least_peak.
+tried with the plans that recompute a value more than once (`remat_solvers.least_peak.
 scheduled_plans`): the cheapest that fits is returned, and the floor is the least peak
 over the canonical floor plan and those. A budget the canonical search fits never gets
 one (they replay more, so they are never cheaper where a canonical plan fits). They
@@ -30,9 +30,9 @@ from remat.errors import InfeasibleBudgetError
 from remat.frontend.offloading import offload_hint
 from remat.frontend.problem import GraphProblem
 from remat.planning.budget import format_bytes
-from solvers import SOLVERS, Plan, Problem, Status, solve
-from solvers.base import finish
-from solvers.least_peak import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_lower_bound, scheduled_plans
+from remat_solvers import SOLVERS, Plan, Problem, Status, solve
+from remat_solvers.base import finish
+from remat_solvers.least_peak import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_lower_bound, scheduled_plans
 
 _REMEMBERED = 16
 """Graphs whose floor plan is remembered (most recent first out)."""
@@ -54,7 +54,7 @@ def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> 
 
 
 def refused_without_solving(problem: Problem, solver: str, options: dict[str, Any]) -> Plan | None:
-    """For a budget below `solvers.least_peak.peak_lower_bound` (bytes live at the end of every
+    """For a budget below `remat_solvers.least_peak.peak_lower_bound` (bytes live at the end of every
     plan): the floor plan, INFEASIBLE at this budget, as the failed solve's answer,
     without the solve (no plan can fit, and `at_the_floor` answers from the floor plan
     alone); else None."""
@@ -102,7 +102,7 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
 
 
 def least_peak(problem: Problem, *, time_limit_s: float | None = None, seed: int = 0) -> Plan:
-    """`solvers.least_peak.least_peak_plan(problem)` (time_limit_s None: FLOOR_TIME_LIMIT_S),
+    """`remat_solvers.least_peak.least_peak_plan(problem)` (time_limit_s None: FLOOR_TIME_LIMIT_S),
     searched once per graph and options in this process: a refusal, the re-plan at the
     floor and the report's Pareto sweep of one model share one search (on LLaMA-7B's
     32 layers, each search is seconds of ILP)."""

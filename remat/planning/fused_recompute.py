@@ -1,6 +1,6 @@
 """Under inductor, a saved pointwise value costs memory traffic that recomputing it does not.
 
-remat's solvers minimize recompute time under the budget; nothing in `solvers.Problem`
+remat's solvers minimize recompute time under the budget; nothing in `remat_solvers.Problem`
 charges a saved value for the time it takes to save. Under eager kernels that is right:
 every op writes its output anyway. Under inductor it is not: a pointwise value that is
 not saved is fused into its consumers and never written, while a saved one is written
@@ -24,7 +24,7 @@ from torch import fx
 
 from remat.frontend.costs import DeviceSpeed, save_cost_s
 from remat.frontend.problem import GraphProblem
-from solvers import Decision, Plan, Status, simulate
+from remat_solvers import Decision, Plan, Status, simulate
 
 
 def prefer_fused_recompute(joint: fx.GraphModule, gp: GraphProblem, plan: Plan, speed: DeviceSpeed,

@@ -26,10 +26,10 @@ from remat.planning.floor import at_the_floor, refused_without_solving, solve_wi
 from remat.planning.fused_recompute import prefer_fused_recompute
 from remat.planning.settings import PlannerSettings
 from remat.runtime.rewrite import partition
-from solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
-from solvers.base import finish
-from solvers.prefetch import prefetch
-from solvers.shared_storage import one_save_per_storage
+from remat_solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
+from remat_solvers.base import finish
+from remat_solvers.prefetch import prefetch
+from remat_solvers.shared_storage import one_save_per_storage
 
 log = logging.getLogger(__name__)
 STAGE = "remat_stage"

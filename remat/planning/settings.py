@@ -16,7 +16,7 @@ from remat.errors import RematError, UnknownSolverError
 from remat.frontend.costs import COST_MODELS, DeviceSpeed
 from remat.frontend.offloading import check_offload
 from remat.planning.budget import check_budget_syntax
-from solvers import SOLVERS
+from remat_solvers import SOLVERS
 
 OUTPUTS = ("all", "loss")
 """Values of `outputs=` (`remat.plan`, `remat.backend`): "all" holds every output until the
@@ -37,7 +37,7 @@ class PlannerSettings:
     """As the user gave it: bytes, a string with units, or a percentage of the no-remat
     peak (`remat.planning.budget.resolve_budget`); it covers the whole forward+backward step."""
     solver: str = "auto"
-    """A name in `solvers.SOLVERS`."""
+    """A name in `remat_solvers.SOLVERS`."""
     solver_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The solver's own keyword options (`time_limit_s`, `seed`, ...), read-only: the
     keyword options of the entry point other than `PLANNER_OPTIONS`."""

@@ -36,7 +36,7 @@ import math
 from torch import nn
 
 from remat.frontend.problem import LIBRARY_WORKSPACES
-from solvers import Decision, Evaluation, Phase, Problem, StepKind
+from remat_solvers import Decision, Evaluation, Phase, Problem, StepKind
 
 OPTIMIZERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 """Optimizer -> fp32 state tensors per trainable parameter."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from remat.report.breakdown import Breakdown, TrainingOptions, activations_at_peak, count_parameters, model_state
 from remat.report.pareto import ParetoPoint, min_peak_bytes, sweep
-from solvers import Decision, Phase
+from remat_solvers import Decision, Phase
 
 if TYPE_CHECKING:
     from remat.planning.planner import PlannedStep

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from remat.planning.floor import least_peak
-from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
+from remat_solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +28,7 @@ class ParetoPoint:
 
 
 def min_peak_bytes(problem: Problem) -> tuple[int, Plan]:
-    """The smallest peak found and its plan: `solvers.least_peak.least_peak_plan`, the floor
+    """The smallest peak found and its plan: `remat_solvers.least_peak.least_peak_plan`, the floor
     the planner reports when it refuses a budget (deterministic; the planner's own
     search of this graph when it made one, `remat.planning.floor.least_peak`)."""
     plan = least_peak(problem)

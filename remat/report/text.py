@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from remat.errors import RematError
 from remat.planning.budget import format_bytes
-from solvers import Decision, Phase
-from solvers.prefetch import prefetched_ids
+from remat_solvers import Decision, Phase
+from remat_solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
     from remat.planning.planner import PlannedStep

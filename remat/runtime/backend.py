@@ -13,7 +13,7 @@ compiles those into fused kernels. `compiler="eager"` runs remat's graphs op by 
 instead (bit-exact against eager on CPU; for debugging).
 
 What inductor may change after the partition, and what remat pins:
-- `reorder_for_peak_memory` is off: remat's memory model (`solvers.simulate`) is the
+- `reorder_for_peak_memory` is off: remat's memory model (`remat_solvers.simulate`) is the
   op-by-op order remat emits; inductor's reordering picks among orders by its own
   estimate, which measured higher than remat's order on some plans (notes: the ranking of
   two plans flipped). Fusion and buffer reuse stay on: they only drop or share buffers.

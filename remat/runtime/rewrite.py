@@ -25,8 +25,8 @@ from remat.frontend.problem import GraphProblem
 from remat.runtime import rng
 from remat.runtime.offload import insert_offloads
 from remat.runtime.schedule import rebuild_backward, recomputes_twice
-from solvers import Decision, Evaluation, Plan, StepKind
-from solvers.shared_storage import read_in_backward, shared_saves
+from remat_solvers import Decision, Evaluation, Plan, StepKind
+from remat_solvers.shared_storage import read_in_backward, shared_saves
 
 
 def partition(
@@ -81,7 +81,7 @@ def partition(
 def _check_storages_saved_once(graph_problem: GraphProblem, plan: Plan, evaluation: Evaluation) -> None:
     """No two saved values share a forward storage: AOTAutograd would donate both to
     inductor's backward, which may overwrite one while the other is still to be read
-    (`solvers.shared_storage`; the planner makes every plan so)."""
+    (`remat_solvers.shared_storage`; the planner makes every plan so)."""
     shared = shared_saves(graph_problem.problem, plan, evaluation.steps)
     if shared:
         names = [[graph_problem.value_name[i] for i in ids] for ids in shared.values()][:3]

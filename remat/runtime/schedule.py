@@ -17,7 +17,7 @@ from torch import fx
 
 from remat.errors import UnsupportedGraphError
 from remat.frontend.problem import GraphProblem
-from solvers import Evaluation, StepKind
+from remat_solvers import Evaluation, StepKind
 
 
 def recomputes_twice(evaluation: Evaluation) -> bool:

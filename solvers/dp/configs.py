@@ -7,9 +7,9 @@ proves useless are never generated (`_save_dominated`).
 
 from __future__ import annotations
 
-from solvers.dp.structure import Block
-from solvers.problem import Decision, Problem
-from solvers.registry import UnsupportedProblem
+from remat_solvers.dp.structure import Block
+from remat_solvers.problem import Decision, Problem
+from remat_solvers.registry import UnsupportedProblem
 
 
 def enumerate_configs(problem: Problem, block: Block, limit: int) -> list[tuple[Decision, ...]]:

@@ -39,9 +39,9 @@ from itertools import chain
 
 import numpy as np
 
-from solvers.dp.configs import _save_dominated
-from solvers.dp.structure import Block
-from solvers.problem import Decision, Phase, Problem
+from remat_solvers.dp.configs import _save_dominated
+from remat_solvers.dp.structure import Block
+from remat_solvers.problem import Decision, Phase, Problem
 
 R, S = Decision.RECOMPUTE, Decision.SAVE
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from solvers.dp.local import NEG, Local
-from solvers.dp.pareto import beam_front, pareto  # noqa: F401 (pareto: tables.py takes it from here)
-from solvers.problem import Decision
+from remat_solvers.dp.local import NEG, Local
+from remat_solvers.dp.pareto import beam_front, pareto  # noqa: F401 (pareto: tables.py takes it from here)
+from remat_solvers.problem import Decision
 
 DROPPED = (Decision.RECOMPUTE, Decision.OFFLOAD)
 _NO_CASCADE = (NEG, 0, 0)

@@ -24,10 +24,10 @@ from itertools import accumulate
 from operator import add, itemgetter
 
 # NEG and Terms are re-exported: fronts.py and the tests take them from here
-from solvers.dp.steps import (BWD, END, FWD, MID, NEG, NEST, NO_INSTANCE, POST, REC, REL, ROOT,  # noqa: F401
+from remat_solvers.dp.steps import (BWD, END, FWD, MID, NEG, NEST, NO_INSTANCE, POST, REC, REL, ROOT,  # noqa: F401
                               Instances, Terms, terms)
-from solvers.dp.structure import Block
-from solvers.problem import Decision, Phase, Problem
+from remat_solvers.dp.structure import Block
+from remat_solvers.problem import Decision, Phase, Problem
 
 
 def save_charges(problem: Problem, block: Block) -> dict[int, float]:

@@ -33,14 +33,14 @@ import math
 import time
 from collections.abc import Mapping
 
-from solvers.base import Options, WorkClock, finish
-from solvers.dp import fronts
-from solvers.dp.fronts import DROPPED, local_peak, next_summary
-from solvers.dp.local import NEG, BlockEvaluator, Local
-from solvers.dp.structure import analyze
-from solvers.dp.tables import block_tables
-from solvers.problem import Decision, Plan, Problem
-from solvers.simulate import evaluate
+from remat_solvers.base import Options, WorkClock, finish
+from remat_solvers.dp import fronts
+from remat_solvers.dp.fronts import DROPPED, local_peak, next_summary
+from remat_solvers.dp.local import NEG, BlockEvaluator, Local
+from remat_solvers.dp.structure import analyze
+from remat_solvers.dp.tables import block_tables
+from remat_solvers.problem import Decision, Plan, Problem
+from remat_solvers.simulate import evaluate
 
 log = logging.getLogger(__name__)
 

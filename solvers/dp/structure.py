@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from solvers.problem import Phase, Problem
-from solvers.registry import UnsupportedProblem
+from remat_solvers.problem import Phase, Problem
+from remat_solvers.registry import UnsupportedProblem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,15 +14,15 @@ from collections import OrderedDict
 
 import numpy as np
 
-from solvers.base import WorkClock
-from solvers.dp import fronts, table_cache
-from solvers.dp.configs import doomed_test, enumerate_configs
-from solvers.dp.exchange import save_instead_mask
-from solvers.dp.fronts import DROPPED, Option
-from solvers.dp.local import BlockEvaluator, InvalidLocal, Local, save_charges
-from solvers.dp.structure import Block, BlockSequence
-from solvers.problem import Problem
-from solvers.registry import UnsupportedProblem
+from remat_solvers.base import WorkClock
+from remat_solvers.dp import fronts, table_cache
+from remat_solvers.dp.configs import doomed_test, enumerate_configs
+from remat_solvers.dp.exchange import save_instead_mask
+from remat_solvers.dp.fronts import DROPPED, Option
+from remat_solvers.dp.local import BlockEvaluator, InvalidLocal, Local, save_charges
+from remat_solvers.dp.structure import Block, BlockSequence
+from remat_solvers.problem import Problem
+from remat_solvers.registry import UnsupportedProblem
 
 
 def block_tables(problem: Problem, seq: BlockSequence, limit: int, clock: WorkClock | None = None,

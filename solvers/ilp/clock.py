@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from solvers.base import CPSAT_DET_PER_S, WorkClock
+from remat_solvers.base import CPSAT_DET_PER_S, WorkClock
 
 CONSTRAINTS_PER_S = 70_000
 """Model constraints per nominal second of a call's fixed cost (presolve, loading):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from solvers.dp.structure import static_profile
-from solvers.problem import Phase, Problem
+from remat_solvers.dp.structure import static_profile
+from remat_solvers.problem import Phase, Problem
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers.ilp.data import model_data, runs
-from solvers.problem import Decision, Problem
+from remat_solvers.ilp.data import model_data, runs
+from remat_solvers.problem import Decision, Problem
 
 MAX_KNAPSACKS = 1024
 """Most redundant knapsack rows added to the model (see CanonicalModel._knapsacks)."""

@@ -58,13 +58,13 @@ from collections.abc import Mapping
 
 from ortools.sat.python import cp_model
 
-from solvers import greedy
-from solvers.base import Options, WorkClock, finish, hint_decisions
-from solvers.ilp import clock as cost
-from solvers.ilp.model import CanonicalModel
-from solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
-from solvers.registry import SOLVERS, UnsupportedProblem, make_options
-from solvers.simulate import PlanError, evaluate
+from remat_solvers import greedy
+from remat_solvers.base import Options, WorkClock, finish, hint_decisions
+from remat_solvers.ilp import clock as cost
+from remat_solvers.ilp.model import CanonicalModel
+from remat_solvers.problem import Decision, Plan, Problem, Status, StepKind, decisions_all
+from remat_solvers.registry import SOLVERS, UnsupportedProblem, make_options
+from remat_solvers.simulate import PlanError, evaluate
 
 log = logging.getLogger(__name__)
 _NODE_STEPS = (StepKind.FORWARD, StepKind.BACKWARD)

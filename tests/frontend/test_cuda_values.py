@@ -22,7 +22,7 @@ import torch
 
 import remat
 from remat.frontend import workspace
-from solvers import Decision
+from remat_solvers import Decision
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -195,7 +195,7 @@ def test_the_cuda_libraries_workspaces_count_all_step(monkeypatch):
     is one value live all step: every peak, the floor included, rises by exactly it."""
     import remat.planning.planner
     from remat.frontend.problem import LIBRARY_WORKSPACES
-    from solvers import Phase
+    from remat_solvers import Phase
 
     held = 1 << 20
     model, x = _mlp()

@@ -17,7 +17,7 @@ import remat
 from remat.frontend.layouts import eager_cpu_layouts
 from remat.testing.measure import measure_step
 from remat.runtime.backend import backend
-from solvers import Decision
+from remat_solvers import Decision
 from nets import assert_trains_like_eager
 
 aten = torch.ops.aten

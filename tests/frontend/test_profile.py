@@ -6,7 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import remat
 from remat.frontend.profile import never_replay_reason
-from solvers import Phase
+from remat_solvers import Phase
 
 
 def _graph(fn, *args):

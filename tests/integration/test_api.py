@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import remat
-from solvers import Decision
+from remat_solvers import Decision
 
 
 class Net(nn.Module):

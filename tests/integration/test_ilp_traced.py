@@ -14,8 +14,8 @@ pytest.importorskip("torch")
 
 import remat  # noqa: E402
 from remat.testing import zoo  # noqa: E402
-from solvers import builders, simulate, solve  # noqa: E402
-from solvers.ilp import model as ilp_model  # noqa: E402
+from remat_solvers import builders, simulate, solve  # noqa: E402
+from remat_solvers.ilp import model as ilp_model  # noqa: E402
 from oracles import node_step_bytes  # noqa: E402
 
 

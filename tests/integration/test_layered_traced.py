@@ -15,8 +15,8 @@ import torch
 import remat
 from remat.testing import zoo
 from remat.testing.measure import measure_step
-from solvers import Decision, Phase, Status
-from solvers.layer_structure import OUTSIDE
+from remat_solvers import Decision, Phase, Status
+from remat_solvers.layer_structure import OUTSIDE
 
 
 @functools.lru_cache(maxsize=None)  # each (model, budget, solver) traced and planned once per session
@@ -99,8 +99,8 @@ def test_fused_attention_without_dropout_is_recomputed_bit_for_bit():
 def test_llama_stack_splits_into_blocks_per_layer():
     """The reduced LLaMA graph is a block sequence with an attention and an MLP block per
     layer: the RMSNorm backward reads its input (a block boundary) before its rsqrt."""
-    from solvers.dp.structure import analyze
-    from solvers.layers import _behind, fold_views, kept_values
+    from remat_solvers.dp.structure import analyze
+    from remat_solvers.layers import _behind, fold_views, kept_values
 
     case, planned = _planned("llama", "100%", "none")
     problem = planned.problem
@@ -114,7 +114,7 @@ def test_llama_stack_splits_into_blocks_per_layer():
 def _gpt2_traffic(fraction: float):
     """GPT-2 (tiny) traced under "compiled-traffic" with the loss as its only output, at
     `fraction` of its no-remat peak."""
-    from solvers import decisions_all, simulate
+    from remat_solvers import decisions_all, simulate
 
     case = zoo.build("gpt2", size="tiny")
     problem = remat.plan(case.model, case.args, dict(case.kwargs), budget="100%", solver="none",
@@ -129,7 +129,7 @@ def test_layers_plans_gpt2_under_compiled_traffic_as_the_ilp_does(fraction):
     """GPT-2 (tiny) under "compiled-traffic" (saving a pointwise value the backward reads
     costs its traffic): layers finds the ILP's optimum
     (at 60% with saved pointwise values charged), and its objective is simulate's."""
-    from solvers import simulate, solve
+    from remat_solvers import simulate, solve
 
     problem = _gpt2_traffic(fraction)
     plan, ilp = solve(problem, "layers"), solve(problem, "ilp")
@@ -147,8 +147,8 @@ def test_auto_plans_traced_gpt2_with_layers_at_its_default_limit():
     3 nominal s; TABLE_STEPS_PER_S, calibrated on ~2.5 cpu s of building them cold) is
     under default_time_limit_s. At WORK_STEPS_PER_S the same tables would charge ~23 s
     and auto would fall back to the ILP."""
-    from solvers import solve
-    from solvers.auto import AutoOptions
+    from remat_solvers import solve
+    from remat_solvers.auto import AutoOptions
 
     problem = _gpt2_traffic(0.6)
     plan, layers = solve(problem, "auto"), solve(problem, "layers")

@@ -35,7 +35,7 @@ from remat.testing import zoo
 from remat.frontend.costs import FlopCounter, flop_counter_mode
 from remat.errors import InfeasibleBudgetError
 from remat.testing.measure import measure_step, measure_step_profiler
-from solvers import Status, solve
+from remat_solvers import Status, solve
 from nets import train_step
 
 SOLVER = "chen-greedy"

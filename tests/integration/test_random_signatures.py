@@ -15,7 +15,7 @@ import torch
 
 import remat
 from remat import compat
-from solvers import Decision
+from remat_solvers import Decision
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 D = 32

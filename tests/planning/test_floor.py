@@ -11,8 +11,8 @@ import remat
 from remat.planning import floor as remat_floor
 from remat.testing import zoo
 from remat.errors import InfeasibleBudgetError
-from solvers import Status, builders, simulate, solve
-from solvers.least_peak import least_peak_plan, peak_lower_bound, scheduled_plans
+from remat_solvers import Status, builders, simulate, solve
+from remat_solvers.least_peak import least_peak_plan, peak_lower_bound, scheduled_plans
 from strategies import problems
 
 

@@ -14,7 +14,7 @@ from torch import nn
 import remat
 from remat.errors import InfeasibleBudgetError
 from remat.testing.measure import measure_step
-from solvers import Decision
+from remat_solvers import Decision
 from nets import assert_trains_like_eager
 
 # Measured for Seq below (batch 4): recompute-only floor / offload floor in bytes:

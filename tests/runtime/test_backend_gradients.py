@@ -106,7 +106,7 @@ def composition(seed: int) -> tuple[Composition, torch.Tensor]:
 SEEDS = (0, 1, 4, 6, 7, 9)
 """Compositions covering post-, pre- and shared norms, gated MLPs, attention, the loss
 inside and outside; 7 and 9 (the loss inside, a shared LayerNorm last) gave a wrong
-weight gradient when a value and its view were both saved (`solvers.shared_storage`)."""
+weight gradient when a value and its view were both saved (`remat_solvers.shared_storage`)."""
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

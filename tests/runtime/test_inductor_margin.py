@@ -10,7 +10,7 @@ the backward's own peak whenever the two are apart. No compile here: the rule on
 hand-made timelines."""
 
 from remat.runtime.inductor.estimate import GraphBytes, inductor_peak_bytes
-from solvers.problem import Evaluation, Step, StepKind
+from remat_solvers.problem import Evaluation, Step, StepKind
 
 F, B, R = StepKind.FORWARD, StepKind.BACKWARD, StepKind.RECOMPUTE
 

@@ -17,7 +17,7 @@ from remat.testing.measure import LiveBytesTracker, measure_step, measure_step_p
 from remat.report.data import build_report
 from remat.report.text import render
 from remat.runtime.offload import StoredLayout, reload, store
-from solvers import Decision
+from remat_solvers import Decision
 
 PEAK_TOLERANCE = 0.03
 

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.runtime.backend import backend
 from remat.runtime.offload_ops import RELOAD, STORE
-from solvers import Decision, solve
+from remat_solvers import Decision, solve
 from nets import Tower
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -165,7 +165,7 @@ def test_backend_loss_only_on_gpt2_keeps_its_layers_and_frees_the_logits(gpt2):
     layer, and the logits are its only reader (GPT-2's backward reads the log-softmax)."""
     import torch._dynamo
 
-    from solvers.layer_structure import OUTSIDE
+    from remat_solvers.layer_structure import OUTSIDE
 
     case, logits_bytes, _ = gpt2
     torch._dynamo.reset()

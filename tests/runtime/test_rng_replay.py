@@ -17,7 +17,7 @@ import remat
 from remat.testing import zoo
 from remat.testing.measure import measure_step, measure_step_profiler
 from remat.frontend import rng_ops as rng
-from solvers import Decision, solve
+from remat_solvers import Decision, solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 SEED = 123

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 import remat
 from nets import Tower, assert_trains_like_eager
 from remat.testing.measure import measure_step
-from solvers import Decision, Node, Options, Phase, Problem, Status, StepKind, decisions_all, simulate, solve
-from solvers.base import finish
-from solvers import registry
-from solvers.registry import SolverSpec
-from solvers.segmented import per_reader_segments, segmented_schedule
-from solvers.simulate import evaluate
+from remat_solvers import Decision, Node, Options, Phase, Problem, Status, StepKind, decisions_all, simulate, solve
+from remat_solvers.base import finish
+from remat_solvers import registry
+from remat_solvers.registry import SolverSpec
+from remat_solvers.segmented import per_reader_segments, segmented_schedule
+from remat_solvers.simulate import evaluate
 from strategies import problems
 
 
@@ -119,8 +119,8 @@ def test_below_every_canonical_plan_the_cheapest_fitting_schedule_is_planned():
     the floor is the canonical one (remat.planning.floor)."""
     from remat.planning import floor as remat_floor
     from remat.frontend.problem import GraphProblem
-    from solvers.least_peak import least_peak_plan, scheduled_plans
-    from solvers.layer_structure import OUTSIDE, LayerStructure
+    from remat_solvers.least_peak import least_peak_plan, scheduled_plans
+    from remat_solvers.layer_structure import OUTSIDE, LayerStructure
 
     base = _two_readers()
     layer_of = [OUTSIDE] * len(base.nodes)

@@ -15,7 +15,7 @@ import remat
 from remat.planning.budget import resolve_budget
 from remat.testing.measure import measure_step
 from remat.planning.planner import lowest_found
-from solvers import solve
+from remat_solvers import solve
 
 BUDGET = "70%"
 

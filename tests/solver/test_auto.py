@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from solvers import SOLVERS, Node, Phase, Problem, Status, solve
-from solvers import builders
-from solvers.auto import AutoOptions, choose
+from remat_solvers import SOLVERS, Node, Phase, Problem, Status, solve
+from remat_solvers import builders
+from remat_solvers.auto import AutoOptions, choose
 from strategies import problems
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from solvers import Decision, Phase, Problem, solve
-from solvers import builders
-from solvers.builders import FwdOp, joint_from_forward
+from remat_solvers import Decision, Phase, Problem, solve
+from remat_solvers import builders
+from remat_solvers.builders import FwdOp, joint_from_forward
 from strategies import forward_ops
 
 F, B, I, P = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT, Phase.PARAM

@@ -1,9 +1,9 @@
 """Cut points for Chen's segmentation: strict articulation points, and loose ones that
 tolerate small values shared across blocks (rotary tables, masks in transformers)."""
 
-from solvers import Phase
-from solvers.builders import FwdOp, joint_from_forward
-from solvers.chen import cut_candidates, loose_cut_candidates
+from remat_solvers import Phase
+from remat_solvers.builders import FwdOp, joint_from_forward
+from remat_solvers.chen import cut_candidates, loose_cut_candidates
 
 
 def _blocks_sharing_a_small_value(n_blocks: int = 3):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from solvers import Status, builders, solve
+from remat_solvers import Status, builders, solve
 
 
 @contextlib.contextmanager

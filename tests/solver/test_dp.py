@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers import Decision, Node, Phase, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
-from solvers import builders
-from solvers.dp.solver import predict
-from solvers.dp.tables import block_tables
-from solvers.dp.local import InvalidLocal
-from solvers.dp.structure import analyze
+from remat_solvers import Decision, Node, Phase, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
+from remat_solvers import builders
+from remat_solvers.dp.solver import predict
+from remat_solvers.dp.tables import block_tables
+from remat_solvers.dp.local import InvalidLocal
+from remat_solvers.dp.structure import analyze
 from oracles import REL, assert_equals_brute
 from strategies import COSTS, problems
 
@@ -189,7 +189,7 @@ def test_dp_is_optimal_on_a_10k_node_transformer_in_seconds():
 
 
 def test_dp_options_are_documented_and_frozen():
-    from solvers.dp.solver import DPOptions
+    from remat_solvers.dp.solver import DPOptions
 
     opts = DPOptions(max_block_configs=8)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -201,7 +201,7 @@ def test_dp_options_are_documented_and_frozen():
 
 
 def _fires(problem: Problem) -> bool:
-    from solvers.dp.configs import _save_dominated
+    from remat_solvers.dp.configs import _save_dominated
 
     readers = set(problem.needed_ids)
     return any(_save_dominated(problem, b, readers) for b in analyze(problem).blocks)
@@ -212,7 +212,7 @@ def feeder_chains(draw) -> Problem:
     """A residual block around a chain in which many values feed one reader only and
     backward reads few of them (the shape the SAVE dominance prunes), with random bytes,
     costs and skips."""
-    from solvers.builders import FwdOp, joint_from_forward
+    from remat_solvers.builders import FwdOp, joint_from_forward
     from strategies import peaks
 
     ops = [FwdOp(name="x", out_bytes=draw(st.integers(0, 64)), phase=Phase.INPUT, requires_grad=True)]
@@ -247,7 +247,7 @@ def test_save_dominance_keeps_dp_equal_to_brute(problem):
 
 
 def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
-    from solvers.dp.configs import _save_dominated, enumerate_configs
+    from remat_solvers.dp.configs import _save_dominated, enumerate_configs
 
     problem = builders.transformer(2, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=True)
     seq = analyze(problem)
@@ -255,7 +255,7 @@ def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
     block = max(seq.blocks, key=lambda b: len(enumerate_configs(problem, b, 1 << 20)))
     assert _save_dominated(problem, block, readers)
     pruned = enumerate_configs(problem, block, 1 << 20)
-    import solvers.dp.configs as dp
+    import remat_solvers.dp.configs as dp
     original = dp._save_dominated
     try:
         dp._save_dominated = lambda *_: []
@@ -275,8 +275,8 @@ def test_save_dominance_cuts_the_configurations_of_a_transformer_block():
 def test_one_replay_for_every_mode_of_an_untouched_boundary_equals_a_replay_per_mode(make):
     """evaluate_modes derives the other modes of a_{b-1} from one run that never brings a
     dropped a_{b-1} back; every Local (or InvalidLocal) equals evaluate's, mode by mode."""
-    from solvers.dp.local import BlockEvaluator
-    from solvers.dp.configs import enumerate_configs
+    from remat_solvers.dp.local import BlockEvaluator
+    from remat_solvers.dp.configs import enumerate_configs
 
     problem = make()
     derived = 0
@@ -303,8 +303,8 @@ def test_the_bounded_search_returns_the_plain_optimum_when_runs_are_abandoned(mo
     """_cheapest abandons exact runs whose fronts outgrow MAX_FRONT for bounds on finer
     grids; with a coarse first bound (16 points) and every run but the last abandoned,
     it still returns what the plain exact DP (no bounds) finds."""
-    import solvers.dp.solver as dp
-    from solvers.dp import fronts
+    import remat_solvers.dp.solver as dp
+    from remat_solvers.dp import fronts
 
     problem = builders.transformer(6, batch=2, seq=64, d_model=32, n_heads=2, vocab=32)
     seq = analyze(problem)

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers import Decision, Phase
-from solvers.dp.fronts import Option
-from solvers.dp.local import NEG, InvalidLocal, Local, Terms
+from remat_solvers import Decision, Phase
+from remat_solvers.dp.fronts import Option
+from remat_solvers.dp.local import NEG, InvalidLocal, Local, Terms
 from test_dp import feeder_chains  # random chains with non-recomputable values
 
 _SMALL = st.sampled_from([NEG, 0, 1, 2, 3, 5])
@@ -30,7 +30,7 @@ def locals_(draw, cascade: bool) -> Local:
 @given(data=st.data(), cascade=st.booleans(), n=st.integers(0, 60))
 def test_pruning_options_with_numpy_keeps_what_the_pairwise_loop_keeps(data, cascade, n):
     """Few distinct values per component: many ties and equal vectors, -inf terms."""
-    from solvers.dp.tables import _option_vector, _prune_options, _prune_plain
+    from remat_solvers.dp.tables import _option_vector, _prune_options, _prune_plain
 
     opts = [Option((Decision.SAVE,) * k, data.draw(locals_(cascade)), None, False) for k in range(n)]
     ordered = sorted(opts, key=_option_vector)
@@ -43,8 +43,8 @@ def test_pruning_options_with_numpy_keeps_what_the_pairwise_loop_keeps(data, cas
 
 def _layers_blocks(problem):
     """(reduced problem, fixed values, blocks) of both models `layers` tabulates."""
-    from solvers.dp.structure import analyze
-    from solvers.layers import _behind, fold_views, kept_values
+    from remat_solvers.dp.structure import analyze
+    from remat_solvers.layers import _behind, fold_views, kept_values
 
     kept = kept_values(problem)
     for k, early in ((frozenset(), True), (kept, False)):
@@ -60,10 +60,10 @@ def _assert_forms_shift_exactly(problem, fixed, blocks, per_block: int = 160) ->
     mode's own replay (evaluate), and the canonical form's Locals, shifted, are the
     block's own (repr: every field, ints as ints), mode by mode, and the shifted option
     vector is the shifted Local's. Returns (signatures, canonical forms)."""
-    from solvers.dp.configs import enumerate_configs
-    from solvers.dp.fronts import DROPPED
-    from solvers.dp.local import BlockEvaluator
-    from solvers.dp.tables import _Form, _option_vector
+    from remat_solvers.dp.configs import enumerate_configs
+    from remat_solvers.dp.fronts import DROPPED
+    from remat_solvers.dp.local import BlockEvaluator
+    from remat_solvers.dp.tables import _Form, _option_vector
 
     sigs, canons = set(), set()
     for block in blocks:
@@ -116,8 +116,8 @@ def test_a_workspace_on_the_boundary_shifts_exactly_on_random_stacks():
     import dataclasses
     import random
 
-    from solvers import builders
-    from solvers.dp.structure import analyze
+    from remat_solvers import builders
+    from remat_solvers.dp.structure import analyze
 
     for seed in range(3):
         problem = builders.transformer(3, batch=1, seq=16, d_model=32, n_heads=2, vocab=64, dropout=seed > 0)
@@ -135,8 +135,8 @@ def _stack_with_prefixes(junk: tuple[int, ...], workspace: tuple[int, ...], budg
     boundaries given recompute workspaces."""
     import dataclasses
 
-    from solvers import builders
-    from solvers.builders import FwdOp, joint_from_forward
+    from remat_solvers import builders
+    from remat_solvers.builders import FwdOp, joint_from_forward
 
     ops = [FwdOp(name="x", out_bytes=64, phase=Phase.INPUT, requires_grad=True),
            FwdOp(name="w", out_bytes=16, phase=Phase.PARAM)]
@@ -162,10 +162,10 @@ def test_stripped_prefixes_and_workspaces_keep_dp_equal_to_brute(budget):
     """Layers whose stripped prefix sets the forward peak (the floor binds) and whose
     boundaries have distinct workspaces: their shifted Locals are their own, they share
     one canonical form, and dp still equals brute."""
-    from solvers import solve
-    from solvers.dp.local import BlockEvaluator
-    from solvers.dp.structure import analyze
-    from solvers.dp.tables import _Form
+    from remat_solvers import solve
+    from remat_solvers.dp.local import BlockEvaluator
+    from remat_solvers.dp.structure import analyze
+    from remat_solvers.dp.tables import _Form
     from oracles import assert_equals_brute
 
     problem = _stack_with_prefixes((4096, 8, 2048, 4096, 16), (0, 512, 64, 64, 64), budget)
@@ -198,10 +198,10 @@ def test_doomed_configurations_raise_in_every_mode_and_cascade(source):
     with and without the boundary's cascade) raises InvalidLocal; on GPT-2 (RNG replay:
     non-recomputable generator states read by recomputed dropouts) the test fires. And
     the test is exact: with a_{b-1} saved and no cascade, the others replay."""
-    from solvers import builders
-    from solvers.dp.configs import doomed_test, enumerate_configs
-    from solvers.dp.local import BlockEvaluator
-    from solvers.dp.structure import analyze
+    from remat_solvers import builders
+    from remat_solvers.dp.configs import doomed_test, enumerate_configs
+    from remat_solvers.dp.local import BlockEvaluator
+    from remat_solvers.dp.structure import analyze
 
     if source == "gpt2":
         cases = [(red, fixed, blocks) for red, fixed, blocks in _layers_blocks(_traced_problem("gpt2"))][:1]
@@ -234,9 +234,9 @@ def test_doomed_is_exactly_the_plain_run_failing_on_random_chains(data):
     """Chains with non-recomputable values that backward may not read (so dropping them
     is valid unless a recomputation needs them): doomed(config) holds exactly when the
     plain run (a_{b-1} saved, no cascade) raises, and then every run raises."""
-    from solvers.dp.configs import doomed_test, enumerate_configs
-    from solvers.dp.local import BlockEvaluator
-    from solvers.dp.structure import analyze
+    from remat_solvers.dp.configs import doomed_test, enumerate_configs
+    from remat_solvers.dp.local import BlockEvaluator
+    from remat_solvers.dp.structure import analyze
 
     problem = data.draw(feeder_chains())
     for block in analyze(problem).blocks:
@@ -264,7 +264,7 @@ def test_the_beam_front_is_the_front_ordered_by_score_and_cut(data, n, beam, wid
     few distinct values per column: many ties and equal rows."""
     import numpy as np
 
-    from solvers.dp.pareto import beam_front, pareto
+    from remat_solvers.dp.pareto import beam_front, pareto
 
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
     x = rng.integers(0, 4, size=(n, width)).astype(float)

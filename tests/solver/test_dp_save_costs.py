@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from solvers import Phase, Problem, Status, builders, solve
-from solvers.dp.configs import _save_dominated
-from solvers.dp.structure import analyze
-from solvers.dp.tables import _signature
+from remat_solvers import Phase, Problem, Status, builders, solve
+from remat_solvers.dp.configs import _save_dominated
+from remat_solvers.dp.structure import analyze
+from remat_solvers.dp.tables import _signature
 from oracles import assert_equals_brute
 from strategies import problems
 from test_dp import assert_predicts, feeder_chains

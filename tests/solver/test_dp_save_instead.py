@@ -11,14 +11,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from solvers import Phase, solve
-from solvers.base import WorkClock
-from solvers.dp.configs import enumerate_configs
-from solvers.dp.exchange import save_instead_mask, save_instead_test
-from solvers.dp.fronts import DROPPED, Option
-from solvers.dp.local import BlockEvaluator, InvalidLocal
-from solvers.dp.structure import analyze
-from solvers.dp.tables import _IDENTITY, _option_vector, _table
+from remat_solvers import Phase, solve
+from remat_solvers.base import WorkClock
+from remat_solvers.dp.configs import enumerate_configs
+from remat_solvers.dp.exchange import save_instead_mask, save_instead_test
+from remat_solvers.dp.fronts import DROPPED, Option
+from remat_solvers.dp.local import BlockEvaluator, InvalidLocal
+from remat_solvers.dp.structure import analyze
+from remat_solvers.dp.tables import _IDENTITY, _option_vector, _table
 from oracles import assert_equals_brute
 from strategies import COSTS
 
@@ -28,7 +28,7 @@ def rotary_blocks(draw, layers: int = 2, links: int = 4):
     """Residual layers like LLaMA's attention: a normed input read by backward, and from
     it private chains (links, diamonds: x1 = mm(h), x2 = neg(x1), x3 = cat(x2, x1), ...)
     ending in a value backward reads, with random bytes, costs and backward reads."""
-    from solvers.builders import FwdOp, joint_from_forward
+    from remat_solvers.builders import FwdOp, joint_from_forward
     from strategies import peaks
 
     sizes, small = st.sampled_from([8, 16, 32, 64]), st.sampled_from([8, 8, 16, 32])
@@ -82,7 +82,7 @@ def _fires(problem) -> int:
 
 
 def _tables(problem, monkeypatch, skip: bool) -> list:
-    import solvers.dp.tables as tables
+    import remat_solvers.dp.tables as tables
 
     if not skip:
         monkeypatch.setattr(tables, "save_instead_mask", lambda problem, block, configs: [False] * len(configs))

@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-import solvers.dp.tables as dp
-from solvers import UnsupportedProblem, builders, solve
-from solvers.dp import table_cache
+import remat_solvers.dp.tables as dp
+from remat_solvers import UnsupportedProblem, builders, solve
+from remat_solvers.dp import table_cache
 from test_layered import stack
 
 

@@ -12,12 +12,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
-from solvers import builders
-from solvers.ilp import model as ilp_model
-from solvers.brute import valid_plans
-from solvers.dp.structure import analyze
-from solvers.ilp.solver import ILPOptions
+from remat_solvers import Node, Phase, Problem, Status, UnsupportedProblem, simulate, solve
+from remat_solvers import builders
+from remat_solvers.ilp import model as ilp_model
+from remat_solvers.brute import valid_plans
+from remat_solvers.dp.structure import analyze
+from remat_solvers.ilp.solver import ILPOptions
 from oracles import REL, assert_equals_brute, node_step_bytes
 from strategies import problems
 
@@ -268,9 +268,9 @@ def test_repair_never_raises_the_peak_and_keeps_a_fitting_plan_fitting(problem, 
     """`greedy.repair`, the ILP's repair of its relaxation's optimum: from any plan it
     never peaks higher (but into the budget's slack), a plan that fits stays fitting and
     never costs more."""
-    from solvers import greedy
-    from solvers.base import WorkClock
-    from solvers.problem import Decision
+    from remat_solvers import greedy
+    from remat_solvers.base import WorkClock
+    from remat_solvers.problem import Decision
 
     rng = random.Random(seed)
     start = {i: rng.choice([d for d in problem.allowed(i)

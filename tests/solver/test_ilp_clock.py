@@ -8,12 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 
-from solvers import Status, builders, simulate, solve
-from solvers.base import CPSAT_DET_PER_S, WorkClock
-from solvers.ilp import clock as cost
-from solvers.ilp import solver as ilp_solver
-from solvers.ilp.model import CanonicalModel
-from solvers.ilp.solver import ILPOptions
+from remat_solvers import Status, builders, simulate, solve
+from remat_solvers.base import CPSAT_DET_PER_S, WorkClock
+from remat_solvers.ilp import clock as cost
+from remat_solvers.ilp import solver as ilp_solver
+from remat_solvers.ilp.model import CanonicalModel
+from remat_solvers.ilp.solver import ILPOptions
 
 
 def _full_model():

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from solvers import Decision, Phase, Problem, Status, UnsupportedProblem, solve
-from solvers import builders
-from solvers.brute import valid_plans
-from solvers.builders import FwdOp, joint_from_forward
-from solvers.layers import kept_values
-from solvers.layer_structure import OUTSIDE, LayerStructure
+from remat_solvers import Decision, Phase, Problem, Status, UnsupportedProblem, solve
+from remat_solvers import builders
+from remat_solvers.brute import valid_plans
+from remat_solvers.builders import FwdOp, joint_from_forward
+from remat_solvers.layers import kept_values
+from remat_solvers.layer_structure import OUTSIDE, LayerStructure
 from test_solver_invariants import check_plan
 
 
@@ -145,7 +145,7 @@ def test_a_large_shared_value_costs_a_gap_not_a_wrong_bound():
 def test_shared_block_tables_charge_the_clock_as_building_them_did():
     """Tables are reused across solves; the deterministic clock is charged the same, so a
     limit cuts the same search whether or not the tables were cached."""
-    import solvers.dp.tables as dp
+    import remat_solvers.dp.tables as dp
 
     problem = builders.with_budget_fraction(builders.transformer(3, seq=64, d_model=64, n_heads=2, vocab=64), 0.6)
     dp._TABLES.clear()
@@ -165,8 +165,8 @@ def test_block_tables_are_charged_at_the_table_rate(monkeypatch):
     """dp's tables charge the clock at TABLE_STEPS_PER_S (configurations x values x
     contexts of a_{b-1}, per table used), nothing else of dp does: twice the rate, half
     the nominal seconds, the same plan, cold or cached."""
-    import solvers.base as base
-    import solvers.dp.tables as dp
+    import remat_solvers.base as base
+    import remat_solvers.dp.tables as dp
 
     problem = builders.with_budget_fraction(builders.transformer(3, seq=64, d_model=64, n_heads=2, vocab=64), 0.6)
     dp._TABLES.clear()
@@ -185,10 +185,10 @@ def test_layers_admits_traced_attention_blocks_and_auto_passes_the_same_limit(mo
     about 2.5 and 6 cpu s, within auto's default limit: test_layered_traced.py)."""
     import dataclasses
 
-    from solvers import SOLVERS
-    from solvers.auto import AutoOptions
-    from solvers.dp.solver import DPOptions
-    from solvers.layers import LayersOptions
+    from remat_solvers import SOLVERS
+    from remat_solvers.auto import AutoOptions
+    from remat_solvers.dp.solver import DPOptions
+    from remat_solvers.layers import LayersOptions
 
     assert LayersOptions().max_block_configs == 1 << 17 > DPOptions().max_block_configs
     seen = []
@@ -198,7 +198,7 @@ def test_layers_admits_traced_attention_blocks_and_auto_passes_the_same_limit(mo
         seen.append(options.max_block_configs)
         return spec.run(problem, options)
 
-    import solvers.auto as auto
+    import remat_solvers.auto as auto
 
     monkeypatch.setattr(auto, "SOLVERS", {**SOLVERS, "layers": dataclasses.replace(spec, run=run)})
     problem = builders.with_budget_fraction(stack(3, 0), 0.8)

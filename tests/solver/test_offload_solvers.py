@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from solvers import Decision, Status, builders, simulate, solve
+from remat_solvers import Decision, Status, builders, simulate, solve
 
 SOLVERS = ("greedy", "dp", "ilp", "auto")
 

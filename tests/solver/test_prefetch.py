@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import remat
 from remat.testing.measure import measure_step
-from solvers import Decision, Plan, Problem, Status, StepKind, evaluate, simulate, solve
-from solvers.prefetch import prefetch, prefetched_ids
+from remat_solvers import Decision, Plan, Problem, Status, StepKind, evaluate, simulate, solve
+from remat_solvers.prefetch import prefetch, prefetched_ids
 from chains import chain
 from nets import Tower
 from strategies import problems

@@ -1,4 +1,4 @@
-"""One saved value per storage (`solvers.shared_storage`): on random problems with views,
+"""One saved value per storage (`remat_solvers.shared_storage`): on random problems with views,
 every plan comes out with no storage saved twice, the same peak and a valid schedule;
 a hand-built value and its view; and the model that trained with a wrong weight
 gradient under `remat.backend` (its LayerNorm output and the reshape the Linear reads
@@ -14,10 +14,10 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from solvers import Decision, Node, Phase, PlanError, Problem, Status, evaluate, solve
-from solvers.base import finish
-from solvers.prefetch import prefetch
-from solvers.shared_storage import one_save_per_storage, shared_saves
+from remat_solvers import Decision, Node, Phase, PlanError, Problem, Status, evaluate, solve
+from remat_solvers.base import finish
+from remat_solvers.prefetch import prefetch
+from remat_solvers.shared_storage import one_save_per_storage, shared_saves
 from strategies import problems
 
 S, R = Decision.SAVE, Decision.RECOMPUTE

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from solvers import Decision, Node, Phase, Plan, PlanError, Problem, Status, StepKind, simulate
-from solvers.simulate import evaluate
+from remat_solvers import Decision, Node, Phase, Plan, PlanError, Problem, Status, StepKind, simulate
+from remat_solvers.simulate import evaluate
 from chains import chain
 
 S, R, O = Decision.SAVE, Decision.RECOMPUTE, Decision.OFFLOAD

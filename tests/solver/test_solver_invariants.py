@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solvers import SOLVERS, Decision, Phase, Plan, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
-from solvers import builders
-from solvers.brute import TooLargeForBrute
-from solvers.chen import cut_candidates, keep_required
+from remat_solvers import SOLVERS, Decision, Phase, Plan, PlanError, Problem, Status, UnsupportedProblem, simulate, solve
+from remat_solvers import builders
+from remat_solvers.brute import TooLargeForBrute
+from remat_solvers.chen import cut_candidates, keep_required
 from strategies import problems
 
 

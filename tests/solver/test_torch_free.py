@@ -28,9 +28,9 @@ _CHILD = textwrap.dedent(
     else:
         raise SystemExit("the import guard failed")
 
-    import solvers
-    from solvers import SOLVERS, UnsupportedProblem, solve
-    from solvers.builders import chain, random_dag, with_budget_fraction
+    import remat_solvers
+    from remat_solvers import SOLVERS, UnsupportedProblem, solve
+    from remat_solvers.builders import chain, random_dag, with_budget_fraction
 
     problems = [with_budget_fraction(chain(4), 0.6), with_budget_fraction(random_dag(6, seed=1), 0.8)]
     for name in sorted(SOLVERS):

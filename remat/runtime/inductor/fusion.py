@@ -1,6 +1,6 @@
 """Inductor's fusion kept to what remat's memory model allows.
 
-remat plans with `solvers.simulate`: ops run one by one in the order remat emits, each
+remat plans with `remat_solvers.simulate`: ops run one by one in the order remat emits, each
 value allocated when produced and freed after its last use. Inductor's scheduler then
 fuses any two kernels that read a common buffer, wherever they sit in the graph, and runs
 the fused kernel where the first of them was: a recomputation remat placed just before

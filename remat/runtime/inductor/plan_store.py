@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from remat.planning.planner import PlannedStep
-from solvers import Plan
+from remat_solvers import Plan
 
 log = logging.getLogger(__name__)
 

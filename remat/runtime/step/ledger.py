@@ -284,7 +284,7 @@ class StepLedger:
 
     def _menus(self) -> dict[int, tuple[split.Option, ...]]:
         from remat.planning.planner import lowest_found
-        from solvers import solve
+        from remat_solvers import solve
 
         menus = {}
         for graph, steps in self.graphs.items():

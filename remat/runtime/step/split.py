@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
+from remat_solvers import Decision, Plan, Problem, Status, decisions_all, simulate, solve
 
 MENU_POINTS = 6
 """Budgets tried per graph between its floor and its no-remat peak (plus both ends)."""

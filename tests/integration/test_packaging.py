@@ -1,0 +1,50 @@
+"""What `pip install` puts on a user's path: `remat` and the torch-free solver core as
+`remat_solvers` (from the repository folder solvers/), never a top-level `solvers` that
+could collide with another project's."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _package_folders() -> set[str]:
+    names = set()
+    for folder, installed in (("remat", "remat"), ("solvers", "remat_solvers")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            names.add(".".join((installed, *parts)))
+    return names
+
+
+def test_pyproject_lists_every_package_folder():
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {"remat_solvers": "solvers"}
+    assert set(config["packages"]) == _package_folders()
+
+
+def test_the_installed_names_outside_the_checkout(tmp_path):
+    """From a folder outside the checkout, `remat` and `remat_solvers` import from the
+    install, every remat module but `__main__` imports without reaching for a top-level `solvers`, and
+    no such package exists."""
+    child = (
+        "import importlib, importlib.util, pkgutil, sys\n"
+        "import remat, remat_solvers\n"
+        "for info in pkgutil.walk_packages(remat.__path__, 'remat.'):\n"
+        "    if not info.name.endswith('__main__'):\n"
+        "        importlib.import_module(info.name)\n"
+        "assert importlib.util.find_spec('solvers') is None, importlib.util.find_spec('solvers')\n"
+        "assert 'solvers' not in sys.modules\n"
+        "print(remat_solvers.__file__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", child], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert pathlib.Path(result.stdout.strip()).parent.name == "solvers"
