@@ -161,18 +161,13 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     stages = Stages(quiet=opts.quiet)
     with stages.stage("building the model"):
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
-    refused = None
     with stages.planning(opts.verbose):
-        def plan(budget: int | str) -> Any:
-            planner.log.debug("remat: tracing the training step", extra={planner.STAGE: "trace"})
-            return remat.plan(built.model, built.args, built.kwargs, budget=budget, solver=opts.solver,
-                              device_speed=speed, offload=_OFFLOAD[opts.offload], outputs=opts.outputs)
-
-        try:
-            planned = plan(opts.budget)
-        except remat.InfeasibleBudgetError as e:  # "no" is an answer: report the floor's plan
-            refused = e
-            planned = plan(e.min_peak_bytes)
+        planner.log.debug("remat: tracing the training step", extra={planner.STAGE: "trace"})
+        # "no" is an answer: below the floor, the floor's plan from the same trace, reported
+        planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget, solver=opts.solver,
+                             device_speed=speed, offload=_OFFLOAD[opts.offload], outputs=opts.outputs,
+                             floor_if_refused=True)
+    refused = planned.step.refusal
     with stages.stage("Pareto sweep") as advance:
         report = build_report(planned.step, built.model, name=opts.target, options=training,
                               pareto_points=opts.pareto_points, pareto_time_limit_s=opts.pareto_time_limit,

@@ -71,6 +71,9 @@ class PlannedStep:
     no_remat_margin_bytes: int | None = None
     """Under inductor, where estimated (a percentage budget, or a refusal): what its
     generated code adds to the plan that saves everything; None elsewhere."""
+    refusal: InfeasibleBudgetError | None = None
+    """With `PlannerSettings.floor_if_refused`, the refusal of the budget asked (never
+    raised: it holds no traceback); this step is then planned at its `min_peak_bytes`."""
 
     @property
     def no_remat_peak_bytes(self) -> int:
@@ -167,9 +170,14 @@ class Partitioner:
         if plan.status is Status.INFEASIBLE and self.best_effort:
             plan = lowest_found(gp.problem, plan)
         elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
-            plan, refusal = at_the_floor(gp, plan, solver=settings.solver, options=options,
-                                         baseline_bytes=baseline, offload=settings.offload,
-                                         schedules=settings.schedules)
+            plan, refusal = self._at_the_floor(gp, plan, options, baseline)
+        kept_refusal = None
+        if refusal is not None and settings.floor_if_refused:  # plan at the floor from this trace
+            kept_refusal, budget_bytes = refusal, refusal.min_peak_bytes
+            gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
+            plan = self._solve(gp.problem, options)
+            if plan.status is Status.INFEASIBLE:
+                plan, refusal = self._at_the_floor(gp, plan, options, baseline)
         if settings.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.planning.fused_recompute); before the
             # ranks agree, so every rank takes rank 0's result
@@ -194,8 +202,15 @@ class Partitioner:
             budget_bytes=budget_bytes, forward=fw, backward=bw,
             timings=PlanTimings(trace_s=t_traced - self.started_s, profile_s=t_profiled - t_traced,
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
+            refusal=kept_refusal,
         )
         return fw, bw
+
+    def _at_the_floor(self, gp: GraphProblem, failed: Plan, options: dict[str, Any],
+                      baseline: int) -> tuple[Plan, InfeasibleBudgetError | None]:
+        settings = self.settings
+        return at_the_floor(gp, failed, solver=settings.solver, options=options, baseline_bytes=baseline,
+                            offload=settings.offload, schedules=settings.schedules)
 
     def _built(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         """The joint graph's problem (budget 0), its no-remat peak and the device speed.

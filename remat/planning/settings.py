@@ -22,7 +22,7 @@ OUTPUTS = ("all", "loss")
 """Values of `outputs=` (`remat.plan`, `remat.backend`): "all" holds every output until the
 step ends; "loss" keeps only the loss past the forward."""
 
-PLANNER_OPTIONS = ("measure_workspace", "replay_rng", "schedules")
+PLANNER_OPTIONS = ("measure_workspace", "replay_rng", "schedules", "floor_if_refused")
 """Keyword options of `remat.plan`/`remat.backend` that the planner reads itself; every other
 keyword option goes to the solver (`PlannerSettings.solver_options`)."""
 
@@ -73,6 +73,11 @@ class PlannerSettings:
     schedules: bool = False
     """Below every canonical plan, try plans that recompute a value more than once
     (`remat.planning.floor`); the eager runtime runs them (remat/runtime/schedule.py)."""
+    floor_if_refused: bool = False
+    """Below the smallest reachable peak, plan at that peak instead of raising, and keep
+    the refusal in `PlannedStep.refusal` (`remat report`: "no" is an answer, reported for
+    the floor's plan from the one trace). The eager path's option; a refusal still
+    raises everywhere else."""
     measure_workspace: bool = True
     """Count each op's workspace measured on the device (`remat.frontend.workspace`): the
     budget is what the allocator serves, and kernel scratch no tensor holds is part of it
@@ -107,6 +112,7 @@ class PlannerSettings:
                    sum_gradients_in_place=True,
                    replay_rng=bool(planner.get("replay_rng", not compile)),
                    schedules=bool(planner.get("schedules", not compile)),
+                   floor_if_refused=bool(planner.get("floor_if_refused", False)),
                    measure_workspace=_asked(planner.get("measure_workspace")))
 
     @classmethod

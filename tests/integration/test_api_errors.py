@@ -222,3 +222,26 @@ def test_non_module_is_rejected():
 def test_unknown_solver_lists_valid_ones():
     with pytest.raises(remat.UnknownSolverError, match=r"unknown solver 'no-such-solver'; valid solvers: .*chen-greedy"):
         remat.plan(TinyNet(), (_x(),), budget="100%", solver="no-such-solver")
+
+
+def test_floor_if_refused_plans_the_floor_and_keeps_the_refusal():
+    """Below the floor, `floor_if_refused=True` plans at the refusal's `min_peak_bytes`
+    from the one trace: the plan `remat.plan` makes at that budget, bit-exact as eager."""
+    torch.manual_seed(0)
+    model, x = TinyNet(), _x()
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        remat.plan(model, (x,), budget=1000)
+    planned = remat.plan(model, (x,), budget=1000, floor_if_refused=True)
+    refusal = planned.step.refusal
+    assert isinstance(refusal, remat.InfeasibleBudgetError) and refusal.__traceback__ is None
+    assert refusal.budget_bytes == 1000 and refusal.min_peak_bytes == refused.value.min_peak_bytes
+    at_floor = remat.plan(model, (x,), budget=refusal.min_peak_bytes)
+    assert at_floor.step.refusal is None
+    assert planned.budget_bytes == at_floor.budget_bytes == refusal.min_peak_bytes
+    assert planned.plan.decisions == at_floor.plan.decisions
+    assert planned.predicted_peak_bytes == at_floor.predicted_peak_bytes <= refusal.min_peak_bytes
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    planned(x).backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))

@@ -237,6 +237,20 @@ def test_a_report_below_the_floor_searches_the_floor_once(user_file, tmp_path, m
     assert len(searches) == 1
 
 
+def test_a_report_below_the_floor_traces_the_step_once(user_file, tmp_path, monkeypatch):
+    """The refused budget and the floor's plan come from one trace of the training step
+    (on LLaMA-7B, a trace is a quarter of the report's time)."""
+    import remat.api
+
+    traces = []
+    trace = remat.api.compile_joint
+    monkeypatch.setattr(remat.api, "compile_joint", lambda *a, **k: traces.append(a) or trace(*a, **k))
+    argv = ["report", f"{user_file}:build", "--budget", "1KB", "--out", str(tmp_path), "--quiet",
+            "--pareto-points", "2"]
+    assert cli.main(argv) == 1
+    assert len(traces) == 1
+
+
 def test_fit_refuses_a_percentage_budget(user_file, capsys):
     assert cli.main(["fit", f"{user_file}:build", "--budget", "50%", "--vary", "batch_size", "-q"]) == 2
     assert "absolute budget" in capsys.readouterr().err
