@@ -46,6 +46,41 @@ def train_step(model, case, seed: int = 0):
     return out
 
 
+def grad_copies(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's gradient, by name in `named_parameters()` order: what
+    a step left, kept safe from the next step's accumulation."""
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def step_and_take_grads(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+                        seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step under `seed`: `model(*args, **kwargs)`, the backward of its loss
+    (the output when it is a tensor, else its `.loss`). Returns the detached loss and
+    every parameter's gradient by name, taken off the parameters (each left at None), so
+    the next step starts from none and cannot accumulate into what was returned."""
+    torch.manual_seed(seed)
+    out = model(*args, **(kwargs or {}))
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name], p.grad = p.grad, None
+    return loss.detach(), grads
+
+
+def step_from_cleared_grads(fn, module: nn.Module, *args, seed: int | None = None) -> torch.Tensor:
+    """One training step of `fn` (`module`, or a compiled or planned form of it) from
+    cleared gradients of `module`: the loss `fn(*args)` returns, under `seed` when given,
+    and its backward. Returns the detached loss; the gradients stay on `module`'s
+    parameters for the caller to compare."""
+    module.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    loss = fn(*args)
+    loss.backward()
+    return loss.detach()
+
+
 def needs_torch(major: int, minor: int, why: str):
     """Skip on a torch older than `major.minor`, saying why (what that torch does)."""
     from remat import compat

@@ -15,7 +15,9 @@ from remat.frontend.costs import DeviceSpeed, estimate_s, flop_counter_mode, nod
 B, H, S, D = 2, 4, 16, 8
 
 
-def _step(q, k, v, w, b, x, img, cw):
+def _mixed_ops_grads(q, k, v, w, b, x, img, cw):
+    """Gradients of a loss over SDPA, linear, bmm and conv2d: the function traced (`graph`)
+    and run eagerly under the FLOP counters, not a training step of a model."""
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = F.linear(x, w, b)  # addmm forward, mm backward
     z = torch.bmm(q[0], k[0].transpose(-1, -2))
@@ -34,7 +36,7 @@ def _inputs():
 
 @pytest.fixture(scope="module")
 def graph():
-    return make_fx(_step, tracing_mode="fake")(*_inputs()).graph
+    return make_fx(_mixed_ops_grads, tracing_mode="fake")(*_inputs()).graph
 
 
 def _flops_by_op(graph) -> dict[str, list[int]]:
@@ -62,15 +64,15 @@ def test_exact_flops_per_node(graph):
 
 def test_graph_flops_equal_flop_counter_mode_on_eager(graph):
     with flop_counter_mode() as counter:
-        _step(*_inputs())
+        _mixed_ops_grads(*_inputs())
     assert sum(node_flops(n) for n in graph.nodes) == counter.get_total_flops()
 
 
 def test_flop_counter_equals_flop_counter_mode():
     with flop_counter_mode() as reference:
-        _step(*_inputs())
+        _mixed_ops_grads(*_inputs())
     with costs.FlopCounter() as counter:
-        _step(*_inputs())
+        _mixed_ops_grads(*_inputs())
     assert counter.total_flops == reference.get_total_flops() > 0
     assert counter.by_op["aten.mm"] == 2 * 32 * 5 * 8
 

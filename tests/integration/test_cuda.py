@@ -16,6 +16,7 @@ import torch
 
 import remat
 from remat.testing.measure import measure_step_cuda
+from nets import step_and_take_grads
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -33,14 +34,11 @@ def _gpt2(layers: int = 2, batch: int = 2, seq: int = 128):
     return model, ids
 
 
-def _step(model, ids):
-    """Loss and gradients of one step, on the host (nothing of them stays on the GPU)."""
-    torch.manual_seed(1)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    grads = [p.grad.cpu() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return loss.detach().cpu(), grads
+def _step_on_host(model, ids):
+    """Loss and gradients of one step under seed 1 (`step_and_take_grads`), copied to the
+    host: nothing of them stays on the GPU."""
+    loss, grads = step_and_take_grads(model, (ids,), {"labels": ids}, seed=1)
+    return loss.cpu(), [g.cpu() for g in grads.values()]
 
 
 def _peak(model, ids) -> int:
@@ -66,10 +64,10 @@ def _at_the_floor(model, ids, **kwargs):
 def test_the_floor_runs_bit_exact_and_under_its_prediction(offload):
     model, ids = _gpt2()
     eager = copy.deepcopy(model)
-    loss, grads = _step(eager, ids)
+    loss, grads = _step_on_host(eager, ids)
     del eager
     planned = _at_the_floor(model, ids, offload=offload)
-    got_loss, got_grads = _step(planned, ids)  # the first step: nothing crashes
+    got_loss, got_grads = _step_on_host(planned, ids)  # the first step: nothing crashes
     assert torch.equal(got_loss, loss)
     for a, b in zip(got_grads, grads, strict=True):
         assert torch.equal(a, b)

@@ -17,6 +17,7 @@ from remat.testing import zoo
 from remat.testing.measure import measure_step
 from remat_solvers import Decision, Phase, Status
 from remat_solvers.layer_structure import OUTSIDE
+from nets import grad_copies
 
 
 @functools.lru_cache(maxsize=None)  # each (model, budget, solver) traced and planned once per session
@@ -55,7 +56,7 @@ def _grads_and_peak(model, case: zoo.ModelCase) -> tuple[dict[str, torch.Tensor]
         return out
 
     peak = measure_step(step, register=(case.model, *case.args, *case.kwargs.values())).peak_bytes
-    return {n: p.grad.clone() for n, p in case.model.named_parameters()}, peak
+    return grad_copies(case.model), peak
 
 
 def test_layers_plan_trains_like_eager_under_its_budget():

@@ -16,6 +16,7 @@ import torch
 import remat
 from remat import compat
 from remat_solvers import Decision
+from nets import step_and_take_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 D = 32
@@ -68,12 +69,12 @@ class Net(torch.nn.Module):
         return self.blocks(x).pow(2).mean()
 
 
-def _step(model, x):
-    torch.manual_seed(0)
+def _step_and_next_draw(model, x):
+    """One step (`step_and_take_grads`) with both streams reseeded, and the next draw of
+    the global stream: where the step left it."""
     _GENERATOR.manual_seed(7)
-    loss = model(x)
-    loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters()], torch.rand(3)
+    loss, grads = step_and_take_grads(model, (x,), seed=0)
+    return loss, list(grads.values()), torch.rand(3)
 
 
 @pytest.mark.parametrize("kind", ["drop_path", "randn", "rand_like", "bernoulli", "randint", "dropout",
@@ -82,7 +83,7 @@ def test_a_random_op_at_the_floor_trains_as_eager(kind):
     torch.manual_seed(0)
     model, x = Net(kind).train(), torch.randn(8, 16, D)
     eager = copy.deepcopy(model)
-    loss, grads, after = _step(eager, x)
+    loss, grads, after = _step_and_next_draw(eager, x)
     if kind == "generator" and not compat.traces_generators():
         with pytest.raises(remat.TraceError, match="generator="):
             remat.plan(model, (x,), budget=1, solver="chen-greedy")
@@ -90,7 +91,7 @@ def test_a_random_op_at_the_floor_trains_as_eager(kind):
     with pytest.raises(remat.InfeasibleBudgetError) as refused:
         remat.plan(model, (x,), budget=1, solver="chen-greedy")
     planned = remat.plan(model, (x,), budget=refused.value.min_peak_bytes, solver="chen-greedy")
-    got_loss, got_grads, got_after = _step(planned, x)
+    got_loss, got_grads, got_after = _step_and_next_draw(planned, x)
     assert torch.equal(got_loss, loss)
     for a, b in zip(got_grads, grads, strict=True):
         assert torch.equal(a, b)

@@ -9,6 +9,7 @@ from torch import nn
 import remat
 from remat.runtime.backend import backend
 from remat.testing.measure import measure_step
+from nets import step_from_cleared_grads
 
 
 def _model():
@@ -17,12 +18,10 @@ def _model():
                          nn.Linear(128, 1))
 
 
-def _step(fn, module, x):
-    module.zero_grad(set_to_none=True)
-    torch.manual_seed(3)
-    loss = fn(x).square().mean()
-    loss.backward()
-    return loss.detach()
+def _squared_mean_step(fn, module, x):
+    """`step_from_cleared_grads` on the squared mean of `fn(x)`, under seed 3 (the
+    dropout's draws)."""
+    return step_from_cleared_grads(lambda x: fn(x).square().mean(), module, x, seed=3)
 
 
 def test_compiled_step_equals_eager_and_uses_less_memory():
@@ -31,8 +30,8 @@ def test_compiled_step_equals_eager_and_uses_less_memory():
     eager = copy.deepcopy(model)
     be = backend(budget="80%", solver="chen-greedy", compiler="eager")
     compiled = torch.compile(model, backend=be, fullgraph=True)
-    loss = _step(compiled, model, x)
-    assert torch.equal(loss, _step(eager, eager, x))
+    loss = _squared_mean_step(compiled, model, x)
+    assert torch.equal(loss, _squared_mean_step(eager, eager, x))
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
     (step,) = be.steps
     assert step.evaluation.peak_bytes <= step.budget_bytes < step.baseline_peak_bytes
@@ -41,8 +40,10 @@ def test_compiled_step_equals_eager_and_uses_less_memory():
     assert "compiled with eager (cost model: eager)" in be.summary()
     # Profiler allocation events (the instrument that works under torch.compile) also
     # count CPU kernels' internal workspace, so compare against eager, not the model.
-    planned_peak = measure_step(lambda: _step(compiled, model, x), register=(model, x), instrument="profiler")
-    eager_peak = measure_step(lambda: _step(eager, eager, x), register=(eager, x), instrument="profiler")
+    planned_peak = measure_step(lambda: _squared_mean_step(compiled, model, x), register=(model, x),
+                                instrument="profiler")
+    eager_peak = measure_step(lambda: _squared_mean_step(eager, eager, x), register=(eager, x),
+                              instrument="profiler")
     assert planned_peak.peak_bytes < eager_peak.peak_bytes
 
 
@@ -65,11 +66,8 @@ def test_dynamic_shapes_one_plan_for_every_size_bit_exact():
     compiled = torch.compile(lambda x: model(x).square().mean(), backend=be, dynamic=True)
     for batch in (64, 96, 128):
         x = torch.randn(batch, 32)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)
-        loss = compiled(x)
-        loss.backward()
-        assert torch.equal(loss.detach(), _step(eager, eager, x))
+        loss = step_from_cleared_grads(compiled, model, x, seed=3)
+        assert torch.equal(loss.detach(), _squared_mean_step(eager, eager, x))
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
     (step,) = be.steps
     assert len(step.evaluation.recomputed_ids) > 0

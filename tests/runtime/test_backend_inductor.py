@@ -16,6 +16,7 @@ import remat
 from remat.frontend import costs
 from remat.testing.measure import measure_step
 from remat.runtime.backend import PINNED_INDUCTOR_CONFIG, backend
+from nets import grad_copies
 
 
 def _mlp(seed=0):
@@ -27,10 +28,6 @@ def _loss(fn, x):
     loss = fn(x).square().mean()
     loss.backward()
     return loss.detach()
-
-
-def _grads(module):
-    return [p.grad for p in module.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,7 @@ def test_inductor_gradients_match_eager(compiled):
     for m in (model, eager):
         m.zero_grad(set_to_none=True)
     torch.testing.assert_close(_loss(fn, x), _loss(eager, x))
-    for a, b in zip(_grads(model), _grads(eager)):
+    for a, b in zip(grad_copies(model).values(), grad_copies(eager).values()):
         torch.testing.assert_close(a, b)
 
 
@@ -152,7 +149,7 @@ def test_cache_hits_are_keyed_by_budget(tmp_path, monkeypatch):
         be = backend(budget=budget, cache=True)
         model.zero_grad(set_to_none=True)
         _loss(torch.compile(model, backend=be), x)
-        return be, [p.grad.clone() for p in model.parameters()]
+        return be, list(grad_copies(model).values())
 
     first, grads = compile_once("100%")
     assert (len(first.steps), first.cache_hits, first.stored_steps) == (1, 0, 0)
@@ -210,7 +207,7 @@ def test_plan_compile_true_runs_inductor_under_the_planned_bytes():
     planned(x).backward()
     eager(x).backward()
     assert torch._inductor.metrics.generated_kernel_count > 0
-    for a, b in zip(_grads(model), _grads(eager)):
+    for a, b in zip(grad_copies(model).values(), grad_copies(eager).values()):
         torch.testing.assert_close(a, b)  # inductor's rounding: see test_inductor_gradients_match_eager
     step = planned.step  # now inductor's plan, under the bytes remat.plan resolved
     assert step is not eager_plan
@@ -230,7 +227,7 @@ def _bf16_grads(budget, cost_model):
         loss = torch.compile(model, backend=be)(x).float().square().mean()
     loss.backward()
     (step,) = be.steps
-    return step, _grads(model)
+    return step, list(grad_copies(model).values())
 
 
 def test_bf16_autocast_gradients_do_not_depend_on_the_plan():

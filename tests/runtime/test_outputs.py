@@ -11,20 +11,16 @@ from remat.testing import zoo
 from remat.errors import RematError
 from remat.frontend.problem import FORWARD_END
 from remat.testing.measure import measure_step
-from nets import train_step
+from nets import grad_copies, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.fixture(scope="module")
 def gpt2():
     case = zoo.build("gpt2", size="tiny")
     logits = train_step(case.model, case, seed=1).logits
-    grads = _grads(case.model)
+    grads = grad_copies(case.model)
     case.model.zero_grad(set_to_none=True)
     return case, logits.numel() * logits.element_size(), grads
 
@@ -40,7 +36,7 @@ def test_loss_only_returns_none_for_the_rest_and_frees_their_bytes(gpt2):
 
     out = train_step(dropped, case, seed=1)
     assert out.logits is None and out.loss is not None and type(out).__name__ == "CausalLMOutputWithCrossAttentions"
-    assert all(torch.equal(g, eager_grads[n]) for n, g in _grads(model).items())
+    assert all(torch.equal(g, eager_grads[n]) for n, g in grad_copies(model).items())
     model.zero_grad(set_to_none=True)
     measured = measure_step(lambda: train_step(dropped, case, seed=1).loss, register=register).peak_bytes
     assert measured == dropped.predicted_peak_bytes <= dropped.budget_bytes
@@ -66,13 +62,13 @@ def test_loss_only_under_inductor():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(32, 16)
     model(x)["loss"].backward()
-    eager = _grads(model)
+    eager = grad_copies(model)
     model.zero_grad(set_to_none=True)
     planned = remat.plan(model, (x,), budget="100%", compile=True, outputs="loss")
     out = planned(x)
     out["loss"].backward()
     assert out["hidden"] is None
-    for n, g in _grads(model).items():
+    for n, g in grad_copies(model).items():
         torch.testing.assert_close(g, eager[n])
 
 
@@ -107,10 +103,10 @@ def test_backend_loss_only_holds_the_other_outputs_to_the_forward_end_only():
     compiled(x)["loss"].backward()
     model, x, be, compiled = _compiled("loss")
     model(x)["loss"].backward()
-    eager = _grads(model)
+    eager = grad_copies(model)
     model.zero_grad(set_to_none=True)
     compiled(x)["loss"].backward()
-    assert all(torch.equal(g, eager[n]) for n, g in _grads(model).items())
+    assert all(torch.equal(g, eager[n]) for n, g in grad_copies(model).items())
     (kept,), (dropped,) = kept_be.steps, be.steps
     hidden_bytes = 64 * 256 * 4
     # held to the end of the step, the hidden output and its gradient's zeros are in the

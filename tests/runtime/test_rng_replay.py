@@ -18,20 +18,17 @@ from remat.testing import zoo
 from remat.testing.measure import measure_step, measure_step_profiler
 from remat.frontend import rng_ops as rng
 from remat_solvers import Decision, solve
+from nets import step_and_take_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 SEED = 123
 
 
-def _step(model, case):
-    """One step under SEED: loss, gradients, and the next draw of the global stream."""
-    torch.manual_seed(SEED)
-    out = model(*case.args, **case.kwargs)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in case.model.named_parameters()}
-    for p in case.model.parameters():
-        p.grad = None
-    return out.loss.detach(), grads, torch.rand(4)
+def _step_and_next_draw(model, args, kwargs=None):
+    """One step under SEED (`step_and_take_grads`): loss, gradients by name, and the next
+    draw of the global stream: where the step left it."""
+    loss, grads = step_and_take_grads(model, args, kwargs, seed=SEED)
+    return loss, grads, torch.rand(4)
 
 
 BUDGET = {"gpt2": "45%", "bert": "50%"}
@@ -46,7 +43,7 @@ SOLVER = "chen-greedy"  # fast; the floor machinery (budget=1) takes ~30 s per m
 def planned(request):
     """(case, eager step, a plan under BUDGET)."""
     case = zoo.build(request.param, size="tiny")
-    eager = _step(case.model, case)
+    eager = _step_and_next_draw(case.model, case.args, case.kwargs)
     return case, eager, remat.plan(case.model, case.args, case.kwargs, budget=BUDGET[request.param], solver=SOLVER)
 
 
@@ -71,7 +68,7 @@ def test_plan_replays_dropout(planned):
 
 def test_replayed_step_equals_eager_bit_for_bit(planned):
     case, (loss, grads, next_draw), p = planned
-    loss_r, grads_r, next_r = _step(p, case)
+    loss_r, grads_r, next_r = _step_and_next_draw(p, case.args, case.kwargs)
     assert torch.equal(loss, loss_r)
     assert grads.keys() == grads_r.keys()
     for name in grads:
@@ -148,13 +145,8 @@ def test_other_random_ops_replay_bit_for_bit():
     model, x, y = _StochasticMasks(), torch.randn(256, 64), torch.randint(0, 10, (256,))
 
     def step(module):
-        torch.manual_seed(SEED)
-        loss = module(x, y)
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        for p in model.parameters():
-            p.grad = None
-        return loss.detach(), grads, torch.rand(4)
+        loss, grads, next_draw = _step_and_next_draw(module, (x, y))
+        return loss, list(grads.values()), next_draw
 
     loss, grads, next_draw = step(model)
     planned = remat.plan(model, (x, y), budget="100%", solver="all")

@@ -16,6 +16,7 @@ from remat.planning.budget import resolve_budget
 from remat.testing.measure import measure_step
 from remat.planning.planner import lowest_found
 from remat_solvers import solve
+from nets import step_from_cleared_grads
 
 BUDGET = "70%"
 
@@ -40,13 +41,6 @@ class Broken(nn.Module):
         return self.head(h).square().mean()
 
 
-def _step(fn, module, x):
-    module.zero_grad(set_to_none=True)
-    loss = fn(x)
-    loss.backward()
-    return loss.detach()
-
-
 @pytest.fixture(scope="module")
 def run():
     """Three compiled steps against eager; the backend after them."""
@@ -57,8 +51,8 @@ def run():
     compiled = torch.compile(model, backend=be)
     equal, plans = [], []
     for _ in range(3):
-        loss = _step(compiled, model, x)
-        same = torch.equal(loss, _step(eager, eager, x))
+        loss = step_from_cleared_grads(compiled, model, x)
+        same = torch.equal(loss, step_from_cleared_grads(eager, eager, x))
         equal.append(same and all(torch.equal(a.grad, b.grad)
                                   for a, b in zip(model.parameters(), eager.parameters())))
         plans.append(len(be.steps))
@@ -122,7 +116,7 @@ def test_a_known_step_runs_no_simulation(run, monkeypatch):
     real = split.simulate
     monkeypatch.setattr(split, "simulate", lambda *a, **k: simulated.append(a) or real(*a, **k))
     planned = len(be.steps)
-    _step(compiled, model, x)
+    step_from_cleared_grads(compiled, model, x)
     assert len(be.steps) == planned and simulated == []
 
 
@@ -134,7 +128,7 @@ def test_the_ledger_forgets_dead_storages(run):
     ledger = be.ledger
     held, outside = [], []
     for _ in range(3):
-        _step(compiled, model, x)
+        step_from_cleared_grads(compiled, model, x)
         held.append(len(ledger._tracked.bytes))
         outside.append([c.outside_bytes for c in ledger.current])
     assert held[0] == held[1] == held[2] > 0

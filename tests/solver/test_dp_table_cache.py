@@ -25,7 +25,8 @@ def cache(monkeypatch, tmp_path):
     dp._TABLES.clear()
 
 
-def _problem(solver: str = "dp"):
+def _problem_for(solver: str = "dp"):
+    """What `solver` plans from dp's block tables here: a layered stack, or a transformer chain."""
     if solver == "layers":  # a stack that carries its layer structure
         return builders.with_budget_fraction(stack(4, seed=1), 0.7)
     return builders.with_budget_fraction(builders.transformer(3, seq=64, d_model=64, n_heads=2, vocab=64), 0.6)
@@ -61,7 +62,7 @@ def _same_plan(a, b) -> None:
 @pytest.mark.parametrize("solver", ["dp", "layers"])
 def test_tables_written_by_one_solve_are_read_by_the_next_with_the_same_plan_and_clock(cache, monkeypatch,
                                                                                        solver):
-    problem = _problem(solver)
+    problem = _problem_for(solver)
     built = _count_builds(monkeypatch)
     first = solve(problem, solver)
     files = sorted(cache.glob("*.pkl"))
@@ -78,7 +79,7 @@ def test_tables_written_by_one_solve_are_read_by_the_next_with_the_same_plan_and
 
 @pytest.mark.parametrize("bad", [b"", b"not a pickle", "truncated", pickle.dumps(("a", 1))])
 def test_a_corrupt_file_is_rebuilt_and_rewritten(cache, monkeypatch, bad):
-    problem = _problem()
+    problem = _problem_for()
     first = solve(problem, "dp")
     files = sorted(cache.glob("*.pkl"))
     good = {f: f.read_bytes() for f in files}
@@ -92,7 +93,7 @@ def test_a_corrupt_file_is_rebuilt_and_rewritten(cache, monkeypatch, bad):
 
 
 def test_cache_off_neither_writes_nor_reads(cache, monkeypatch):
-    problem = _problem()
+    problem = _problem_for()
     monkeypatch.setenv(table_cache.ENABLE_ENV, "0")
     built = _count_builds(monkeypatch)
     first = solve(problem, "dp")
@@ -113,7 +114,7 @@ def test_cache_off_neither_writes_nor_reads(cache, monkeypatch):
 def test_small_tables_are_not_written(cache, monkeypatch):
     monkeypatch.setattr(table_cache, "MIN_CONFIGS", 4096)
     built = _count_builds(monkeypatch)
-    solve(_problem(), "dp")
+    solve(_problem_for(), "dp")
     assert built and max(built) < 4096 and not cache.exists()
 
 
@@ -121,7 +122,7 @@ def test_an_unwritable_cache_dir_does_not_fail_the_solve(cache, monkeypatch, tmp
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(table_cache.CACHE_ENV, str(blocker))  # dp-tables cannot be made under a file
-    plan = solve(_problem(), "dp")
+    plan = solve(_problem_for(), "dp")
     assert plan.work_s > 0 and blocker.is_file()
 
 

@@ -12,7 +12,9 @@ from remat_solvers import Decision, Status, builders, simulate, solve
 SOLVERS = ("greedy", "dp", "ilp", "auto")
 
 
-def _problem(bandwidth: float | None) -> "builders.Problem":
+def _twelve_layer_chain(bandwidth: float | None) -> "builders.Problem":
+    """A 12-layer chain of 1 MiB activations and 1 ms layers, offloading at `bandwidth`
+    bytes/s (None: no offload)."""
     return builders.chain(12, activation_bytes=1 << 20, compute_s=1e-3,
                           offload_bandwidth_bytes_per_s=bandwidth)
 
@@ -24,7 +26,7 @@ def _recompute_floor(problem) -> int:
 
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_solvers_offload_below_the_recompute_floor(solver):
-    problem = _problem(bandwidth=1e9)
+    problem = _twelve_layer_chain(bandwidth=1e9)
     floor = _recompute_floor(problem)
     below = problem.with_budget(floor - 1)
     plan = solve(below, solver, time_limit_s=20)
@@ -38,7 +40,7 @@ def test_solvers_offload_below_the_recompute_floor(solver):
 
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_without_offload_the_same_budget_is_infeasible(solver):
-    problem = _problem(bandwidth=None)
+    problem = _twelve_layer_chain(bandwidth=None)
     floor = _recompute_floor(problem)
     plan = solve(problem.with_budget(floor - 1), solver, time_limit_s=20)
     assert plan.status is Status.INFEASIBLE
@@ -48,7 +50,7 @@ def test_without_offload_the_same_budget_is_infeasible(solver):
 def test_hidden_store_makes_offload_cheaper_than_the_full_round_trip():
     # A slow link: the exposed cost of an early value's store is smaller than its
     # transfer time, because the rest of the forward runs while it copies.
-    problem = _problem(bandwidth=2e9)
+    problem = _twelve_layer_chain(bandwidth=2e9)
     first = problem.forward_ids[0]
     assert problem.store_overlap_s[first] > 0
     assert problem.store_s(first) < problem.transfer_s(first)

@@ -24,7 +24,7 @@ from strategies import problems
 S, O = Decision.SAVE, Decision.OFFLOAD
 
 
-def _chain(gc_s: float, gb_s: float, budget: int) -> Problem:
+def _chain_at_prefetch_costs(gc_s: float, gb_s: float, budget: int) -> Problem:
     """The chain of tests/chains.py at prefetch's costs (kept here: its timeline is what
     these tests work from): gc gc_s s, gb gb_s s, ga 1 s; bandwidth 50 B/s: a's 100 bytes
     take 2 s each way.
@@ -55,7 +55,7 @@ def _offload_a(problem: Problem) -> Plan:
 )
 def test_prefetch_issues_the_reload_as_late_as_hides_it_within_the_budget(
         gc_s, gb_s, budget, schedule, peak, exposed_s):
-    problem = _chain(gc_s, gb_s, budget)
+    problem = _chain_at_prefetch_costs(gc_s, gb_s, budget)
     canonical = evaluate(problem, {1: O, 2: S, 3: S})
     assert (canonical.peak_bytes, canonical.offload_s) == (318, 2.0)  # the store is hidden
     plan = prefetch(problem, _offload_a(problem))
@@ -67,7 +67,7 @@ def test_prefetch_issues_the_reload_as_late_as_hides_it_within_the_budget(
 
 
 def test_a_budget_at_the_canonical_peak_keeps_the_plan():
-    problem = _chain(1.0, 2.0, 318)
+    problem = _chain_at_prefetch_costs(1.0, 2.0, 318)
     plan = _offload_a(problem)
     assert prefetch(problem, plan) is plan
 
@@ -75,7 +75,7 @@ def test_a_budget_at_the_canonical_peak_keeps_the_plan():
 def test_the_canonical_order_written_out_prices_as_the_canonical_schedule():
     # before gb: reload a, recompute b from it, then gb: the recompute waits for the
     # copy, which shows in full in both (an explicit schedule prices its waits)
-    problem = _chain(1.0, 2.0, 10_000)
+    problem = _chain_at_prefetch_costs(1.0, 2.0, 10_000)
     decisions = {1: O, 2: Decision.RECOMPUTE, 3: S}
     canonical = evaluate(problem, decisions)
     order = tuple(s.node_id for s in canonical.steps[len(problem.forward_ids):])

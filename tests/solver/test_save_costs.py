@@ -14,7 +14,7 @@ from remat_solvers import Decision, Node, Phase, Problem, Status, UnsupportedPro
 F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT
 
 
-def _chain(save_a: float, save_d: float = 0.0, budget: int = 10_000) -> Problem:
+def _chain_with_save_costs(save_a: float, save_d: float = 0.0, budget: int = 10_000) -> Problem:
     """x -> a -> b -> d (the loss); the backward reads a and b. d is not read by the
     backward (not a decision value); a's saving costs `save_a`."""
     return Problem(
@@ -33,7 +33,7 @@ def _chain(save_a: float, save_d: float = 0.0, budget: int = 10_000) -> Problem:
 
 
 def test_simulate_charges_saving_for_saved_values_the_backward_reads():
-    problem = _chain(save_a=4.0, save_d=16.0)
+    problem = _chain_with_save_costs(save_a=4.0, save_d=16.0)
     saved = simulate(problem, {1: Decision.SAVE, 2: Decision.SAVE})
     assert (saved.recompute_s, saved.save_s, saved.cost_s) == (0.0, 4.0, 4.0)  # d: not saved for backward
     dropped = simulate(problem, {1: Decision.RECOMPUTE, 2: Decision.SAVE})
@@ -43,7 +43,7 @@ def test_simulate_charges_saving_for_saved_values_the_backward_reads():
 @pytest.mark.parametrize("solver", ["brute", "ilp", "dp", "auto"])
 def test_exact_solvers_recompute_when_saving_costs_more(solver):
     """Everything fits; recomputing a (1.0 s) is cheaper than saving it (4.0 s)."""
-    cheap, dear = _chain(save_a=0.5), _chain(save_a=4.0)
+    cheap, dear = _chain_with_save_costs(save_a=0.5), _chain_with_save_costs(save_a=4.0)
     assert solve(cheap, solver).decisions[1] is Decision.SAVE
     plan = solve(dear, solver)
     assert plan.decisions[1] is Decision.RECOMPUTE

@@ -295,7 +295,9 @@ def test_node_validation(make, message):
     assert message in str(err.value)
 
 
-def _problem(nodes, outputs=(), budget=10, bandwidth=None):
+def _problem_from_nodes(nodes, outputs=(), budget=10, bandwidth=None):
+    """A `Problem` of exactly these nodes, with small defaults: the validation cases
+    pass nodes that break one rule each."""
     return Problem(nodes=tuple(nodes), outputs=outputs, budget_bytes=budget,
                    offload_bandwidth_bytes_per_s=bandwidth)
 
@@ -304,21 +306,21 @@ def _problem(nodes, outputs=(), budget=10, bandwidth=None):
     ("make", "message"),
     [
         # a forward reference (node 1 reads node 2) and a self-loop (a cycle of length 1)
-        (lambda: _problem([_node("x", phase=I), _node("a", (2,)), _node("b", (1,))]),
+        (lambda: _problem_from_nodes([_node("x", phase=I), _node("a", (2,)), _node("b", (1,))]),
          "node 1 ('a') reads 2: inputs must be ids of earlier nodes (0..0)"),
-        (lambda: _problem([_node("x", phase=I), _node("a", (1,))]),
+        (lambda: _problem_from_nodes([_node("x", phase=I), _node("a", (1,))]),
          "node 1 ('a') reads 1: inputs must be ids of earlier nodes (0..0); the nodes must be in topological order without cycles"),
-        (lambda: _problem([_node("x", phase=I), _node("a", (-1,))]), "node 1 ('a') reads -1"),
-        (lambda: _problem([_node("x", phase=I), _node("g", (0,), phase=B), _node("a", (0,))]),
+        (lambda: _problem_from_nodes([_node("x", phase=I), _node("a", (-1,))]), "node 1 ('a') reads -1"),
+        (lambda: _problem_from_nodes([_node("x", phase=I), _node("g", (0,), phase=B), _node("a", (0,))]),
          "node 2 ('a') is forward after a backward node"),
         # backward feeding forward
-        (lambda: _problem([_node("g", phase=B), _node("a", (0,), phase=F)]),
+        (lambda: _problem_from_nodes([_node("g", phase=B), _node("a", (0,), phase=F)]),
          "node 1 ('a', forward) reads node 0 ('g', backward): a later phase cannot feed an earlier one"),
-        (lambda: _problem([_node("a"), _node("w", phase=P)]), "node 1 ('w') is param after a forward node"),
-        (lambda: _problem([_node("x", phase=I)], outputs=(3,)), "output 3 is not a node id (0..0)"),
-        (lambda: _problem([_node("x", phase=I)], budget=-1), "budget_bytes must be an int >= 0, got -1"),
-        (lambda: _problem([_node("x", phase=I)], bandwidth=0.0), "offload_bandwidth_bytes_per_s must be > 0 or None"),
-        (lambda: _problem(["x"]), "nodes[0] must be a Node, got str"),
+        (lambda: _problem_from_nodes([_node("a"), _node("w", phase=P)]), "node 1 ('w') is param after a forward node"),
+        (lambda: _problem_from_nodes([_node("x", phase=I)], outputs=(3,)), "output 3 is not a node id (0..0)"),
+        (lambda: _problem_from_nodes([_node("x", phase=I)], budget=-1), "budget_bytes must be an int >= 0, got -1"),
+        (lambda: _problem_from_nodes([_node("x", phase=I)], bandwidth=0.0), "offload_bandwidth_bytes_per_s must be > 0 or None"),
+        (lambda: _problem_from_nodes(["x"]), "nodes[0] must be a Node, got str"),
     ],
 )
 def test_problem_validation(make, message):
