@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -194,9 +196,15 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
             cmd = [sys.executable, __file__, "--child", what, "--model", model, "--steps", str(args.steps)]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--budget", str(budget)] if budget is not None else []
+            limit_s = min(left, args.row_limit_s)
+            cmd += ["--dump-after-s", str(max(1, int(limit_s) - 5))]  # where a slow row is, in its log
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, args.row_limit_s))
-            except subprocess.TimeoutExpired:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
+            except subprocess.TimeoutExpired as e:
+                if args.log:
+                    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                    with open(args.log, "a", encoding="utf-8") as log:
+                        log.write(f"### {model} {what} (timed out after {limit_s:.0f} s)\n{err}\n")
                 return {"error": "timed out"}
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
             if args.log:
@@ -270,11 +278,17 @@ def main() -> None:
     parser.add_argument("--rows", default=None, help="a comma-separated subset of the rows")
     parser.add_argument("--log", default=None, help="append every row's stderr here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dump-after-s", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         args.row = args.child
+        # each stage's start in stderr, and every thread's stack just before the parent's timeout
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+        logging.getLogger("remat").setLevel(logging.DEBUG)
+        if args.dump_after_s:
+            faulthandler.dump_traceback_later(args.dump_after_s)
         print(json.dumps(floor_of(args.model, args.quick) if args.child == "floor" else child(args)))
         return
     print(HEADER, flush=True)

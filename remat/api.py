@@ -275,8 +275,9 @@ def plan(
     Below every plan that recomputes each value at most once, the planner tries plans
     that drop a recomputed value after one backward reader and recompute it again for a
     later one (per-layer checkpointing among them) and takes the cheapest that fits;
-    the stated floor is the least of both. `schedules=False` (an option) plans the
-    canonical ones only, as `compile=True` does.
+    the stated floor is the least of both (`compile=True` too: inductor compiles the
+    backward's copies of such a value like any other nodes). `schedules=False` (an
+    option) plans the canonical ones only.
 
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The

@@ -326,6 +326,13 @@ def device_speed(
     return speed
 
 
+def speed_on(device: torch.device | None) -> DeviceSpeed:
+    """The figures a graph on `device` is priced with: a GPU's own, measured on it once
+    per GPU model, dtype and torch (recomputing costs what that GPU spends, not what
+    the host would); this CPU's for anything else."""
+    return device_speed(device if device is not None and device.type == "cuda" else "cpu")
+
+
 def _measure_real(device: str | torch.device, dtype: torch.dtype) -> DeviceSpeed:
     """Measure with real tensors even when called while AOTAutograd or inductor trace
     (under FakeTensorMode and proxy modes, a microbenchmark would time fake ops)."""

@@ -233,13 +233,13 @@ class Partitioner:
     def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         settings = self.settings
-        speed = settings.device_speed if settings.device_speed is not None else costs.device_speed("cpu")
+        device = joint_device(joint)
+        speed = settings.device_speed if settings.device_speed is not None else costs.speed_on(device)
         cost_s = costs.cost_function(settings.cost_model, speed, random_s_per_element=self.random_s_per_element)
         replayable = None
         if settings.replay_rng:
             replayable = make_replayable(joint, num_fwd_outputs=num_fwd_outputs, cost_s=cost_s)
             cost_s = replayable.costs(cost_s)
-        device = joint_device(joint)
         gp = build_problem(joint, num_fwd_outputs=num_fwd_outputs, num_params=self.num_params,
                            budget_bytes=0, cost_s=cost_s,
                            resident_bytes=library_workspace_bytes(device) if device is not None else 0,

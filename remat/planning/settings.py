@@ -100,10 +100,10 @@ class PlannerSettings:
                   device_speed: DeviceSpeed | None = None, compile: bool = False,
                   cost_model: str | None = None, outputs: str = "all") -> PlannerSettings:
         """`remat.plan`'s settings (its arguments of the same names; `options` are its
-        other keyword options). The eager runtime replays random ops and runs schedules
-        that recompute a value twice unless an option says otherwise; with `compile=True`
-        neither is planned, since inductor's graphs keep random ops saved and run the
-        canonical order. `outputs` is checked here and applied by the trace."""
+        other keyword options). Schedules that recompute a value twice are planned unless
+        an option says otherwise; the eager runtime replays random ops, `compile=True`
+        keeps them saved (inductor draws its own random numbers). `outputs` is checked
+        here and applied by the trace."""
         cost_model = "eager" if cost_model is None else cost_model
         check_settings(budget=budget, solver=solver, offload=offload, cost_model=cost_model, outputs=outputs)
         solver_options, planner = _split(options)
@@ -111,7 +111,7 @@ class PlannerSettings:
                    offload=offload, sync_ranks=sync_ranks, device_speed=device_speed,
                    sum_gradients_in_place=True,
                    replay_rng=bool(planner.get("replay_rng", not compile)),
-                   schedules=bool(planner.get("schedules", not compile)),
+                   schedules=bool(planner.get("schedules", True)),
                    floor_if_refused=bool(planner.get("floor_if_refused", False)),
                    measure_workspace=_asked(planner.get("measure_workspace")))
 
@@ -123,14 +123,19 @@ class PlannerSettings:
         """`remat.backend`'s settings (its arguments of the same names; `options` are its
         other keyword options). Under inductor (`compiler="inductor"`) the default cost
         model prices fusion ("compiled-traffic") and offload goes through custom ops.
-        `replay_rng` and `schedules` are the eager runtime's options: the backend's graphs
-        keep random ops saved and run the canonical order, whatever they say."""
+        Schedules that recompute a value twice are planned (the `schedules` option turns
+        them off): the backward is a plain graph with one copy of the value per
+        recompute, which inductor compiles like any other and the closed loop measures
+        as generated. `replay_rng` is the eager runtime's option: the backend's graphs
+        keep random ops saved, whatever it says (inductor draws its own random numbers,
+        so a recomputed draw would not be the forward's)."""
         cost_model = cost_model or ("compiled-traffic" if compiler == "inductor" else "eager")
         check_settings(budget=budget, solver=solver, offload=offload, cost_model=cost_model, outputs=outputs)
         solver_options, planner = _split(options)
         return cls(budget=budget, solver=solver, solver_options=solver_options, cost_model=cost_model,
                    offload=offload, sync_ranks=sync_ranks, custom_offload_ops=compiler == "inductor",
-                   drop_outputs=outputs == "loss", measure_workspace=_asked(planner.get("measure_workspace")))
+                   drop_outputs=outputs == "loss", schedules=bool(planner.get("schedules", True)),
+                   measure_workspace=_asked(planner.get("measure_workspace")))
 
 
 class SettingsView:

@@ -396,8 +396,9 @@ def _source_hash() -> str:
 def _device_fingerprint() -> str:
     """The device figures plans are costed with, to two significant digits."""
     speed = costs.device_speed("cpu")
+    gpu = f"|{costs.device_key('cuda')}" if torch.cuda.is_available() else ""  # CUDA graphs: its own figures
     return (f"{costs.device_key('cpu')}|{speed.peak_flops_per_s:.2g}|"
-            f"{speed.bandwidth_bytes_per_s:.2g}")
+            f"{speed.bandwidth_bytes_per_s:.2g}{gpu}")
 
 
 __all__ = ["COMPILERS", "OUTPUTS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "passthrough"]

@@ -172,3 +172,14 @@ def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
                         lambda device, *, dtype: DeviceSpeed(peak_flops_per_s=1.0, bandwidth_bytes_per_s=1.0))
     assert costs.device_speed("cpu").peak_flops_per_s == 1.0
     assert json.loads((tmp_path / costs.CACHE_FILE).read_text())
+
+
+def test_a_cuda_graph_is_priced_with_its_gpus_own_figures(monkeypatch):
+    """Without `device_speed`, a graph on a GPU is priced with that GPU's measured figures
+    (what a recompute really costs there), everything else with this CPU's."""
+    asked = []
+    monkeypatch.setattr(costs, "device_speed", lambda device="cpu", **_: asked.append(str(device)) or DeviceSpeed(
+        peak_flops_per_s=1.0, bandwidth_bytes_per_s=1.0))
+    for device in (torch.device("cuda", 0), torch.device("cpu"), torch.device("meta"), None):
+        costs.speed_on(device)
+    assert asked == ["cuda:0", "cpu", "cpu", "cpu"]

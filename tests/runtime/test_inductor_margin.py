@@ -51,3 +51,25 @@ def test_less_generated_than_op_by_op_lowers_the_prediction():
     assert _graphs(-300, 0)[0].excess_bytes == -300
     assert inductor_peak_bytes(ev, _graphs(0, -100)) == 800  # the forward's peak stays
     assert inductor_peak_bytes(ev, ()) == 800  # no estimate: remat's peak
+
+
+def test_two_copies_of_a_recomputed_value_are_two_allocations():
+    """A value recomputed twice (remat/runtime/schedule.py) has two copies in the graph
+    whose example values are one tensor. Op by op they are two allocations, the first
+    freed after its last reader: counting them as one storage held across both would
+    raise the op-by-op peak and so understate what the generated code adds."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.runtime.inductor.estimate import op_by_op_bytes
+
+    def f(x):
+        c = (x.sin() * 2) * 5  # the first sin is dead while c is made
+        return c + x.sin() * 3
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(256))
+    sins = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default]
+    distinct = op_by_op_bytes(gm)
+    assert distinct == 3 * 1024  # never more than three 1 KiB values live
+    sins[1].meta["val"] = sins[0].meta["val"]  # the copies of a recomputed value
+    assert op_by_op_bytes(gm) == distinct

@@ -113,21 +113,29 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
 
     nodes = list(gm.graph.nodes)
     tensors = {n: [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)] for n in nodes}
-    spans: dict[int, list[int]] = {}  # storage -> [bytes, first, last, counted]
+    # one span per allocation: a value recomputed twice (remat/runtime/schedule.py) has
+    # two copies whose example values are one tensor, so a storage seen again from a node
+    # reading none of it is a new allocation, and a read binds to the newest one
+    spans: list[list[Any]] = []  # [bytes, first, last, counted, output]
+    newest: dict[int, list[Any]] = {}  # storage -> its newest span
     for i, n in enumerate(nodes):
+        read = {storage_key(t) for used in n.all_input_nodes for t in tensors[used]}
         for t in tensors[n]:
-            spans.setdefault(storage_key(t), [storage_bytes(t), 0 if n.op == "placeholder" else i, i,
-                                              n.name not in uncounted])
-        for used in n.all_input_nodes if n.op != "output" else ():
-            for t in tensors[used]:
-                spans[storage_key(t)][2] = i
-    outputs = {storage_key(t) for n in nodes if n.op == "output"
-               for a in tree_leaves(n.args) if isinstance(a, fx.Node) for t in tensors[a]}
+            key = storage_key(t)
+            if key not in newest or (n.op == "call_function" and key not in read and newest[key][2] < i):
+                newest[key] = [storage_bytes(t), 0 if n.op == "placeholder" else i, i, n.name not in uncounted,
+                               False]
+                spans.append(newest[key])
+        for key in read:
+            if n.op == "output":
+                newest[key][4] = True
+            else:
+                newest[key][2] = i
     delta = [0] * (len(nodes) + 1)
-    for key, (nbytes, first, last, counted) in spans.items():
+    for nbytes, first, last, counted, output in spans:
         if counted:
             delta[first] += nbytes
-            delta[last + 1] -= 0 if key in outputs else nbytes
+            delta[last + 1] -= 0 if output else nbytes
     workspace = workspace or {}
     extra = [workspace.get(n.name, 0) for n in nodes] + [0]
     live = peak = 0
