@@ -16,14 +16,17 @@ budget once the step is known), unless that plan alone is over a budget given in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from torch import fx
 
-from remat.planning.budget import is_percentage, resolve_budget
+from remat.errors import InfeasibleBudgetError
+from remat.planning.budget import format_bytes, is_percentage, resolve_budget
 from remat.runtime.inductor.estimate import GraphBytes, estimate_fusion, inductor_peak_bytes
 
 log = logging.getLogger(__name__)
@@ -35,9 +38,6 @@ the target only falls and the loop ends (measured: one replan on every model tri
 
 
 def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
-    from remat.errors import InfeasibleBudgetError
-    from remat.planning.budget import format_bytes
-
     need = peak_bytes + margin
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} does not hold under inductor: the smallest "
@@ -58,8 +58,6 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     and records the margin; a refusal names the floor plan's peak plus its margin. Both
     graphs are estimated together: the backward's saved inputs are held in the storages
     the forward's code returns them in (`estimate.output_storages`)."""
-    from remat.errors import InfeasibleBudgetError
-
     # a plan for the whole-step ledger's share of a known step (strict: a budget_for, no
     # best effort) must hold no more between forward and backward than the split counted
     # for it, so it takes no room above its share
@@ -76,6 +74,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         return estimated[key]
 
     no_remat = None  # (peak, margin) of the plan that saves everything, once estimated
+    canonical = None  # ((peak, margin), bytes) of the floor without schedules, once estimated
     if is_percentage(partitioner.budget):
         no_remat = _of_inductors_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
     try:
@@ -102,16 +101,29 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             break
         if at_floor or replan >= MAX_REPLANS:
             # the floor op by op may peak higher under inductor than a plan tried before
-            # it, or than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
-            # floor, 1,267,576 B at 100%)
+            # it, than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
+            # floor, 1,267,576 B at 100%), or, where it recomputes a value twice, than the
+            # floor of plans that recompute each value once (LLaMA tiny: inductor's code
+            # holds more beside the copies)
             no_remat = no_remat or _at_no_remat_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
-            if sum(no_remat) <= budget_bytes or (best_effort and sum(no_remat) < sum(least)):
-                partitioner.budget = partitioner.step.baseline_peak_bytes  # saves everything
-                fw, bw = partitioner(joint, joint_inputs, **kwargs)
-                step, margin = partitioner.step, no_remat[1]
+            if canonical is None and step.plan.schedule is not None:
+                canonical = _at_canonical_floor(partitioner, joint, joint_inputs, kwargs, graph_bytes)
+            others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {})}
+            fitting = [name for name, found in others.items() if sum(found) <= budget_bytes]  # cheapest first
+            lowest = min(others, key=lambda name: sum(others[name]))
+            pick = fitting[0] if fitting else lowest if best_effort and sum(others[lowest]) < sum(least) else None
+            if pick is not None:
+                if pick == "no remat":
+                    partitioner.budget = partitioner.step.baseline_peak_bytes  # saves everything
+                    fw, bw = partitioner(joint, joint_inputs, **kwargs)
+                else:
+                    with _canonical(partitioner):
+                        partitioner.budget = canonical[1]
+                        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+                step, margin = partitioner.step, others[pick][1]
                 generated = graph_bytes(fw, bw)
                 break
-            least = min(least, no_remat, key=sum)
+            least = min(least, *others.values(), key=sum)
             if best_effort and not (isinstance(asked, int) and sum(least) > asked):
                 break  # the ledger's first step: the lowest found runs, unless over the whole budget
             partitioner.error = _refusal(budget_bytes, *least)
@@ -174,6 +186,35 @@ def _at_no_remat_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     fw, bw = partitioner(joint, joint_inputs, **kwargs)
     evaluation = partitioner.step.evaluation
     return evaluation.peak_bytes, inductor_peak_bytes(evaluation, graph_bytes(fw, bw)) - evaluation.peak_bytes
+
+
+def _at_canonical_floor(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
+                        graph_bytes: Any) -> tuple[tuple[int, int], int]:
+    """((peak, margin) under inductor, budget) of the floor of the plans that recompute
+    each value at most once (`_canonical`), planned at that floor's bytes."""
+    with _canonical(partitioner):
+        partitioner.budget = 1
+        try:
+            partitioner(joint, joint_inputs, **kwargs)
+            floor_bytes = partitioner.step.budget_bytes  # a graph that holds nothing
+        except InfeasibleBudgetError as e:
+            floor_bytes = _planned_past(e).min_peak_bytes
+        partitioner.budget = floor_bytes
+        fw, bw = partitioner(joint, joint_inputs, **kwargs)
+    evaluation = partitioner.step.evaluation
+    margin = inductor_peak_bytes(evaluation, graph_bytes(fw, bw)) - evaluation.peak_bytes
+    return (evaluation.peak_bytes, margin), floor_bytes
+
+
+@contextlib.contextmanager
+def _canonical(partitioner: Any) -> Iterator[None]:
+    """The partitioner plans without schedules that recompute a value twice, meanwhile."""
+    settings = partitioner.settings
+    partitioner.settings = dataclasses.replace(settings, schedules=False)
+    try:
+        yield
+    finally:
+        partitioner.settings = settings
 
 
 DEFICIT_TRIES = 3
