@@ -106,3 +106,28 @@ def assert_gradients_match(model: nn.Module, run, eager_run, where: str) -> None
 
 PLANS = {"nothing recomputed": {"budget": "100%"}, "all recomputed": {"budget": "100%", "solver": "all"}}
 """The two ends of the plan space through `remat.backend`: nothing recomputed, everything."""
+
+
+def train_zoo_model_through_the_backend(name: str, plan: str) -> None:
+    """Zoo model `name` at its "micro" size through `remat.backend` with inductor under
+    `PLANS[plan]`: every parameter's gradient as eager's (`assert_gradients_match`).
+    Dropout is off (inductor draws other random numbers than eager); batch norm stays in
+    training mode, so its batch statistics and their backward are recomputed too."""
+    import remat
+    from remat.testing import zoo
+
+    torch._dynamo.reset()
+    case = zoo.build(name, size="micro")
+    case.model.eval()
+    for module in case.model.modules():
+        if isinstance(module, nn.BatchNorm2d):  # the zoo's only norm with a training mode
+            module.train()
+    with torch.no_grad():  # transformers settles `config.problem_type` on the first call
+        case.model(*case.args, **case.kwargs)
+    be = remat.backend(**PLANS[plan])
+    compiled = torch.compile(case.model, backend=be)
+    assert_gradients_match(case.model, lambda m: compiled(*case.args, **case.kwargs).loss,
+                           lambda m: m(*case.args, **case.kwargs).loss, f"{name}, {plan}")
+    assert be.steps  # remat planned what ran
+    if plan == "all recomputed":
+        assert any(step.evaluation.recomputed_ids for step in be.steps)

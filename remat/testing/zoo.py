@@ -13,7 +13,9 @@ checkpointed block would be appended to twice).
 
 Sizes: ``"tiny"`` for unit tests (a forward+backward well under 0.5 s on a 2-core CPU),
 ``"bench"`` for benchmarks (well under a few seconds per step), and for ``gpt2`` also
-``"small"`` (4 layers, 256 wide, batch 8, sequence 256).
+``"small"`` (4 layers, 256 wide, batch 8, sequence 256). ``"micro"`` is ``"tiny"`` with
+fewer blocks (one layer for the transformers), for tests that compile with inductor: a
+compile's time follows the graph's node count.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 NAMES = ("mlp", "cnn", "gpt2", "llama", "bert", "vit", "resnet")
-SIZES = ("tiny", "bench", "small")
+SIZES = ("tiny", "bench", "small", "micro")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -115,14 +117,17 @@ class CNN(nn.Module):
 _SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "mlp": {
         "tiny": dict(width=64, depth=4, classes=10, batch=512),
+        "micro": dict(width=64, depth=2, classes=10, batch=512),
         "bench": dict(width=1024, depth=8, classes=100, batch=256),
     },
     "cnn": {
         "tiny": dict(channels=(8, 16, 16), classes=10, batch=16, image=16),
+        "micro": dict(channels=(8, 16), classes=10, batch=16, image=16),
         "bench": dict(channels=(32, 64, 64, 128), classes=100, batch=16, image=32),
     },
     "gpt2": {
         "tiny": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, batch=8, seq=64),
+        "micro": dict(n_layer=1, n_embd=64, n_head=4, vocab_size=128, batch=8, seq=64),
         "small": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=8, seq=256),
         # Half of "small" (batch 4), so that `bench/compare.py --quick` stays under 2 minutes.
         "bench": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, batch=4, seq=256),
@@ -130,24 +135,33 @@ _SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "llama": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=128, batch=8, seq=64),
+        "micro": dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, batch=8, seq=64),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=1024, batch=8, seq=256),
     },
     "bert": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      vocab_size=128, batch=8, seq=64),
+        "micro": dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      vocab_size=128, batch=8, seq=64),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                       vocab_size=1024, batch=8, seq=256),
     },
     "vit": {
         "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      patch_size=4, num_labels=10, batch=16, image=16),
+        "micro": dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      patch_size=4, num_labels=10, batch=16, image=16),
         "bench": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                       patch_size=8, num_labels=100, batch=8, image=128),
     },
     "resnet": {
         "tiny": dict(embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=10,
                      batch=16, image=32),
+        # Two stages: the first keeps the identity shortcut, the second the strided conv one.
+        "micro": dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10,
+                      batch=16, image=32),
         # ResNet-18 layout (basic layers, depths 2-2-2-2, 64..512 channels).
         "bench": dict(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
                       num_labels=100, batch=16, image=64),
