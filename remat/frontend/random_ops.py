@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from remat.compat import OpOverload, classify_nodes
-from remat.frontend.profile import never_replay_reason, storage_bytes, tensor_val
+from remat.frontend.profile import never_replay_reason, storage_bytes
 from remat.frontend.rng_ops import DROPOUT_APPLY, dropout_mask, generator_state, random_op, state_numel
 from remat.frontend.workspace import joint_device, measure
 from remat_solvers import Problem

@@ -20,7 +20,7 @@ from remat.testing import zoo
 from remat.frontend import workspace
 from remat.errors import InfeasibleBudgetError
 from remat.testing.measure import measure_step, measure_step_profiler
-from remat_solvers import Decision, Node, Phase, Plan, Problem, Status, StepKind, simulate
+from remat_solvers import Decision, Node, Phase, Problem, StepKind, simulate
 from nets import train_step
 
 

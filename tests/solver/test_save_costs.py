@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from remat_solvers import Decision, Node, Phase, Problem, Status, UnsupportedProblem, builders, simulate, solve
+from remat_solvers import Decision, Node, Phase, Problem, Status, builders, simulate, solve
 
 F, B, I = Phase.FORWARD, Phase.BACKWARD, Phase.INPUT
 
