@@ -26,6 +26,7 @@ from remat.planning.planner import Partitioner, PlannedStep
 from remat.planning.settings import PlannerSettings, SettingsView
 from remat.planning.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from remat.report import summary
+from remat.runtime.backend import RematBackend
 from remat_solvers import Plan
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,6 @@ class Planned(SettingsView, nn.Module):
         differentiable, as here), so the backend plans the same problem after inductor's
         joint-graph passes; it compiles on the first call. `fullgraph=True`: one graph,
         so the budget covers the whole step."""
-        from remat.runtime.backend import RematBackend
-
         be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
                           offload=self.offload, cost_model=self.cost_model, **self.options)
         self.__dict__.setdefault("_remat_backends", []).append(be)

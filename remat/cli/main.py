@@ -21,7 +21,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import remat
+from remat.cli import fit
+from remat.cli import target as tgt
+from remat.cli.progress import Stages
 from remat.errors import RematError
+from remat.frontend import devices
+from remat.frontend.fake import build_fake, to_fake
+from remat.planning import planner
+from remat.planning.budget import format_bytes
+from remat.report import html, plots, text, to_json
+from remat.report.breakdown import TrainingOptions
+from remat.report.data import below_the_floor, build_report
 
 FAKE_DEFAULT_DEVICE = "h100"
 _OFFLOAD = {"auto": "auto", "on": True, "off": False}
@@ -47,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan a bundled model (remat.testing.zoo) and print the summary")
     p.add_argument("--model", default="gpt2", help="one of remat.testing.zoo.NAMES")
-    p.add_argument("--size", default="tiny", help="tiny, bench or small")
+    p.add_argument("--size", default="tiny", help="tiny, bench, small (gpt2) or micro")
     p.add_argument("--budget", default="70%", help="bytes, '800MB', '1.5GiB' or '70%%'")
     p.add_argument("--solver", default="auto")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -97,7 +108,8 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(opts: argparse.Namespace) -> int:
-    import remat
+    # the test models, for `remat plan --model` only: the rest of the CLI does not depend
+    # on remat.testing (tests' and benches' tools)
     from remat.testing import zoo
 
     if opts.model not in zoo.NAMES:
@@ -110,18 +122,13 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
 
 def _build(opts: argparse.Namespace, sets: dict[str, Any]):
     """(Built, device_speed, cost model text) for TARGET with `sets`."""
-    from remat.cli import target as tgt
-    from remat.frontend import devices
-
     factory = tgt.load_factory(opts.target)
     if opts.fake:
-        from remat.frontend.fake import build_fake, to_fake
-
-        built, mode = build_fake(lambda: _call(tgt, factory, opts.target, sets))
+        built, mode = build_fake(lambda: _call(factory, opts.target, sets))
         model, args, kwargs = to_fake((built.model, built.args, built.kwargs), mode)
         built = tgt.Built(model=model, args=args, kwargs=kwargs)
     else:
-        built = _call(tgt, factory, opts.target, sets)
+        built = _call(factory, opts.target, sets)
     name = opts.device or (FAKE_DEFAULT_DEVICE if opts.fake else None)
     if name is None:
         return built, None, "roofline of this machine (measured microbenchmark)"
@@ -133,7 +140,7 @@ def _build(opts: argparse.Namespace, sets: dict[str, Any]):
     return built, device.speed(dtype), f"roofline of {device.name} at {dtype} peak ({device.source})"
 
 
-def _call(tgt, factory, target: str, sets: dict[str, Any]):
+def _call(factory, target: str, sets: dict[str, Any]):
     try:
         return tgt.call_factory(factory, target, sets)
     except RematError:
@@ -143,14 +150,6 @@ def _call(tgt, factory, target: str, sets: dict[str, Any]):
 
 
 def _cmd_report(opts: argparse.Namespace) -> int:
-    import remat
-    from remat.cli import target as tgt
-    from remat.cli.progress import Stages
-    from remat.planning import planner
-    from remat.report import html, plots, text, to_json
-    from remat.report.breakdown import TrainingOptions
-    from remat.report.data import below_the_floor, build_report
-
     try:
         training = TrainingOptions(optimizer=opts.optimizer, precision=opts.precision, shard=opts.shard,
                                    zero_stage=opts.zero_stage, adapter=opts.adapter)
@@ -190,12 +189,6 @@ def _cmd_report(opts: argparse.Namespace) -> int:
 
 
 def _cmd_fit(opts: argparse.Namespace) -> int:
-    import remat
-    from remat.cli import fit
-    from remat.cli import target as tgt
-    from remat.cli.progress import Stages
-    from remat.planning.budget import format_bytes
-
     if "%" in opts.budget:
         raise tgt.TargetError(f"--budget {opts.budget!r}: fit needs an absolute budget (e.g. 6GiB); "
                               "a percentage of the no-remat peak changes with the value searched")

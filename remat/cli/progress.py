@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from remat.planning import planner
+
 
 class Stages:
     """`with stages.stage("trace + solve"): ...`; `stage` yields an `advance(done, total)`.
@@ -46,8 +48,6 @@ class Stages:
         """A stage for `remat.plan` whose description follows the planner: a filter on
         the `remat.planning.planner` logger reads each record's stage (and drops the record
         unless `verbose`, so nothing else prints)."""
-        from remat.planning.planner import STAGE, log
-
         with self.stage("tracing") as advance:
             display = getattr(advance, "__self__", None)
             seen: list[str] = []
@@ -55,7 +55,7 @@ class Stages:
             self.planner_log = []
 
             def on_record(record: logging.LogRecord) -> bool:
-                stage = getattr(record, STAGE, None)
+                stage = getattr(record, planner.STAGE, None)
                 if stage is None:
                     return True
                 seen.append(stage)
@@ -69,20 +69,20 @@ class Stages:
                     display.describe(f"{text} ({done})" if done else text)
                 return verbose
 
-            level = log.level
-            log.addFilter(on_record)
-            log.setLevel(logging.DEBUG)
+            level = planner.log.level
+            planner.log.addFilter(on_record)
+            planner.log.setLevel(logging.DEBUG)
             try:
                 yield
             finally:
-                log.removeFilter(on_record)
-                log.setLevel(level)
+                planner.log.removeFilter(on_record)
+                planner.log.setLevel(level)
                 self.planner_stages = tuple(seen)
                 self.planner_log.append((current[0], time.perf_counter() - current[1]))
 
 
 def _has_rich() -> bool:
-    try:
+    try:  # on use: only a terminal gets the display, and rich may be missing
         import rich.progress  # noqa: F401
     except ImportError:
         return False
@@ -93,6 +93,7 @@ class _Delayed:
     """A rich progress bar started by a timer thread after `delay_s`, unless closed first."""
 
     def __init__(self, description: str, delay_s: float) -> None:
+        # rich loads with the first display (a stage on a terminal), not with the CLI
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -31,6 +31,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from remat import compat
 from remat.compat import DispatchKey, OpOverload, TorchDispatchMode
+from remat.errors import RematError
+
+# The private torch names only some costs need come from remat.compat inside the functions
+# that use them: a torch without one fails only that cost, not remat (remat.compat).
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +430,7 @@ def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed,
     (`remat.frontend.inductor_random`); an `inductor_random` node then costs its
     elements times it, not its traffic (on CPU 40x more)."""
     if random_s_per_element is not None:
-        from remat.frontend.inductor_random import is_inductor_random
+        from remat.frontend.inductor_random import is_inductor_random  # a cycle: it imports costs
 
         if is_inductor_random(node) and isinstance(_val(node), torch.Tensor):
             return max(node_cost_s(node, speed), _val(node).numel() * random_s_per_element)
@@ -470,7 +474,7 @@ def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed, random_s_per_element: f
         return 0.0
     traffic_s = 2.0 * _tensor_bytes(_val(node)) / speed.bandwidth_bytes_per_s
     if random_s_per_element is not None:
-        from remat.frontend.inductor_random import is_stored_mask
+        from remat.frontend.inductor_random import is_stored_mask  # a cycle: it imports costs
 
         if is_stored_mask(node):
             return traffic_s + _val(node).numel() * random_s_per_element
@@ -484,6 +488,4 @@ def cost_function(cost_model: str, speed: DeviceSpeed, *, random_s_per_element: 
         return lambda node: node_cost_s(node, speed)
     if cost_model in ("compiled", "compiled-traffic"):
         return lambda node: compiled_node_cost_s(node, speed, random_s_per_element)
-    from remat.errors import RematError
-
     raise RematError(f"unknown cost_model={cost_model!r}; valid cost models: {list(COST_MODELS)}")

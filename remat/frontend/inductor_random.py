@@ -80,6 +80,7 @@ _READ: dict[tuple, float] = {}
 def _measure(device: str) -> float:
     """Compile the draw with inductor and time it, with real tensors and no trace of the
     caller's in force (this may run while a graph is being compiled)."""
+    # inductor's compiler loads here, when the figure is first measured, not with remat
     from remat.compat import (
         compile_fx_inner,
         disable_current_modes,

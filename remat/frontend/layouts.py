@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+# torch's private names come from remat.compat inside the functions that use them: resolved
+# when a trace runs, so a torch without one fails only this check (remat.compat).
+
 aten = torch.ops.aten
 
 # Ops whose first output is the normalised input (forward) or grad_input (backward);

@@ -18,20 +18,26 @@ import dataclasses
 import functools
 import inspect
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.fx import traceback as fx_traceback
+from torch.nn.modules import module as module_hooks
 
 from remat.compat import (
+    BoxedCodeGen,
     DataDependentOutputException,
     DynamicOutputShapeException,
     GuardOnDataDependentSymNode,
     UserError,
+    functorch_config,
 )
 from remat.errors import TraceError
+from remat.frontend.layouts import eager_cpu_layouts
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +190,6 @@ def boxed_eager_compiler(gm: fx.GraphModule, example_inputs: Any) -> Callable[..
     """Run the graph eagerly with the boxed calling convention: the generated code
     clears its argument list, so saved tensors die at their last use in backward
     (with a plain call, the caller's list would keep every one alive to the end)."""
-    from remat.compat import BoxedCodeGen
-
     gm.graph.set_codegen(BoxedCodeGen())
     gm.recompile()
 
@@ -233,7 +237,7 @@ def compile_joint(
     First on the model's eager code path, so the traced program is the one eager runs;
     if that path branches on tensor values, again as non-strict `torch.export` does,
     with `torch.compiler.is_compiling()` true, where libraries take trace-friendly paths."""
-    from remat.compat import compiling_state_context
+    from remat.compat import compiling_state_context  # on use: for a model branching on values
 
     user_model = module if user_model is None else user_model
     try:
@@ -251,8 +255,7 @@ def compile_joint(
 
 def _aot(module: nn.Module, user_model: nn.Module, tensors: Sequence[torch.Tensor],
          partition_fn: Partitioner):
-    from remat.compat import aot_module_simplified, functorch_config
-    from remat.frontend.layouts import eager_cpu_layouts
+    from remat.compat import aot_module_simplified  # on use: not loaded with remat
 
     # Backward compiled now, not lazily at the first backward: the lazy path deep-copies
     # the backward module there, allocating its tensor constants inside the first step
@@ -292,8 +295,6 @@ def _record_module_locations(model: nn.Module):
     """While tracing, stamp every node with the module that ran it: AOTAutograd's
     make_fx copies `fx.traceback.current_meta` into each node it creates when node meta
     is preserved. Stored as `nn_module_stack`: {path: (path, class, 'file:line')}."""
-    from torch.fx import traceback as fx_traceback
-
     names = {id(m): name for name, m in model.named_modules()}
     saved: list[Any] = []
 
@@ -310,8 +311,6 @@ def _record_module_locations(model: nn.Module):
         if id(module) in names and saved:
             fx_traceback.current_meta["nn_module_stack"] = saved.pop()
 
-    from torch.nn.modules import module as module_hooks
-
     with fx_traceback.preserve_node_meta():
         h1 = module_hooks.register_module_forward_pre_hook(pre)
         h2 = module_hooks.register_module_forward_hook(post)
@@ -324,8 +323,6 @@ def _record_module_locations(model: nn.Module):
 
 def _failure_location(error: BaseException) -> str:
     """' at file:line (source)' of the innermost non-torch frame, or ''."""
-    import traceback
-
     frames = [
         f for f in traceback.extract_tb(error.__traceback__)
         if "/torch/" not in f.filename and "/remat/" not in f.filename

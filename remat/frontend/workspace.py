@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from remat import compat
 from remat.compat import OpOverload
@@ -119,7 +120,7 @@ def measure(nodes: Iterable[fx.Node], device: torch.device, *, limit_bytes: int 
             ) -> dict[str, int]:
     """Workspace bytes per node name (nodes not measured are absent). With `limit_bytes`,
     an op whose fresh arguments and outputs take more is not run (`bounded`)."""
-    from remat.compat import unset_fake_temporarily
+    from remat.compat import unset_fake_temporarily  # on use: only measuring workspace needs it
 
     out: dict[str, int] = {}
     todo: dict[tuple, fx.Node] = {}
@@ -220,8 +221,6 @@ def unmeasured_attention_bytes(node: fx.Node) -> int:
 
 
 def _run(todo: list[tuple[tuple, fx.Node]], device: torch.device) -> dict[tuple, int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     ran: dict[str, tuple] = {}
     with profile(activities=activities, profile_memory=True) as prof:

@@ -68,6 +68,7 @@ def check_plannable(model: nn.Module) -> None:
 
 
 def _sharded_kind(module: nn.Module) -> str | None:
+    # imported on use, not with remat: a torch built without distributed cannot import it
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
@@ -125,7 +126,7 @@ def _exchange(mine: Any) -> list[Any]:
     every rank's collective sequence exactly. A store key cannot be mismatched with a
     collective, and a rank that never publishes makes its peers fail with the store's
     timeout instead of hanging."""
-    from remat.compat import get_default_store
+    from remat.compat import get_default_store  # on use: only a process group of several ranks needs it
 
     dist = torch.distributed
     store = get_default_store()

@@ -14,6 +14,7 @@ _KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#55A8
 
 
 def _pyplot():
+    # matplotlib loads with the first figure, not with remat.report (about 1 s to import)
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only

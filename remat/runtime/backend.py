@@ -67,16 +67,24 @@ from torch import fx
 
 from remat.errors import CompositionError, RematError
 from remat.frontend import costs
+from remat.frontend.inductor_random import random_s_per_element
+from remat.frontend.layouts import eager_cpu_layouts
 from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
 from remat.planning import distributed
 from remat.planning.planner import Partitioner, PlannedStep
 from remat.planning.settings import OUTPUTS, PlannerSettings, SettingsView
 from remat.report.text import backend_summary
+from remat.runtime import dropped
 from remat.runtime.inductor import plan_store
+from remat.runtime.inductor.closed_loop import plan_under_fusion
 from remat.runtime.inductor.fusion import FUSION_MODES, FusionEstimate, fusion_passes
 from remat.runtime.step.graph import LedgeredGraph
 from remat.runtime.step.ledger import StepLedger
+
+# torch's private names come from remat.compat inside the functions that use them: each is
+# resolved on first use, so inductor's and dynamo's modules load only for a compile, and a
+# torch without one fails only the feature that needs it (remat.compat's docstring).
 
 COMPILERS = ("inductor", "eager")
 
@@ -191,8 +199,6 @@ class RematBackend(SettingsView):
         costs on this machine (measured once, `remat.frontend.inductor_random`)."""
         if self.compiler != "inductor" or self.cost_model == "eager":
             return None
-        from remat.frontend.inductor_random import random_s_per_element
-
         return random_s_per_element("cpu")
 
     def _bandwidth(self, example_inputs: Sequence[Any]) -> float | None:
@@ -236,6 +242,8 @@ class RematBackend(SettingsView):
         events, the instrument that sees what inductor runs, and keep the peak for the
         summary (predicted vs measured). `register`: what is live before the step (the
         model, its inputs); clear gradients first, the profiler cannot see older frees."""
+        # remat.testing's instruments are for tests and benches; this method is the runtime's
+        # one use of them, so the runtime does not depend on remat.testing until it is called
         from remat.testing.measure import measure_step_profiler
 
         self.measured = measure_step_profiler(step, register=register)
@@ -281,8 +289,6 @@ def _partitioner_class() -> type:
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             if self.fusion is None:
                 return self.partitioner(gm, joint_inputs, **kwargs)
-            from remat.runtime.inductor.closed_loop import plan_under_fusion
-
             return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
 
         def uuid(self) -> tuple[str, ...]:
@@ -313,8 +319,6 @@ class _Watching:
         self.graph = graph
 
     def __call__(self, *args: Any) -> Any:
-        from remat.runtime import dropped
-
         out = self.compiled(*args)
         dropped.watch(out, self.graph)
         return out
@@ -339,13 +343,10 @@ def _compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], partitione
     # wrapper's counter is how DDPOptimizer knows a piece went through AOTAutograd and
     # records its metadata per bucket (without it, the lazily compiled backward asserts
     # "expected same # of fw and bw compiles, but found bucket -1").
-    from remat.compat import aot_autograd
-    from remat.frontend.layouts import eager_cpu_layouts
+    from remat.compat import aot_autograd, detect_fake_mode
 
     compiler = aot_autograd(fw_compiler=boxed_eager_compiler, bw_compiler=boxed_eager_compiler,
                             partition_fn=partitioner)
-    from remat.compat import detect_fake_mode
-
     # the traced views must be the ones eager's layouts allow (dynamo's fake mode
     # is the one AOTAutograd traces with, and it may have cached torch's layouts)
     with eager_cpu_layouts(detect_fake_mode(list(example_inputs))):

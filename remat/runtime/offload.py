@@ -171,6 +171,8 @@ def insert_offloads(
     custom_ops: emit the torch.library ops of remat/runtime/offload_ops.py instead of
     the Python functions (for graphs inductor compiles; the reload waits in place)."""
     if custom_ops:
+        # offload_ops imports this module (a cycle) and registers torch.library ops when
+        # loaded: only graphs inductor compiles need them
         from remat.runtime import offload_ops
     names = set(names) & {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.users}
     out = fw.graph.output_node()

@@ -25,6 +25,7 @@ import ctypes
 
 import torch
 
+from remat.compat import detect_fake_mode
 from remat.runtime import offload as host
 
 
@@ -81,8 +82,6 @@ def _(handle: torch.Tensor, size: list[int], stride: list[int], storage_offset: 
 
 def host_val(val: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The fake value of the host buffer storing `val` (a fake tensor), for node meta."""
-    from remat.compat import detect_fake_mode
-
     mode = detect_fake_mode([val])
     with mode:
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")

@@ -18,7 +18,7 @@ import heapq
 import torch
 from torch import fx
 
-from remat.compat import extract_fwd_bwd_modules
+from remat.compat import extract_fwd_bwd_modules, is_sym_node
 from remat.errors import UnsupportedGraphError
 from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
@@ -95,8 +95,6 @@ def _saved_sym_nodes(joint: fx.GraphModule) -> list[fx.Node]:
     size computations. AOTAutograd hands them to backward as `saved_sym_nodes`, as its
     min-cut partitioner does; a SymInt passed as a saved tensor value breaks extraction
     ("Node ... was invalid, but is output"). They cost no device memory."""
-    from remat.compat import is_sym_node
-
     sym = []
     for node in joint.graph.nodes:
         if not is_sym_node(node) or node.name.startswith("tangents"):

@@ -13,8 +13,11 @@ placeholders, in its order (the forward module returns them so).
 
 from __future__ import annotations
 
+import operator
+
 from torch import fx
 
+from remat.compat import is_sym_node
 from remat.errors import UnsupportedGraphError
 from remat.frontend.problem import GraphProblem
 from remat_solvers import Evaluation, StepKind
@@ -80,8 +83,6 @@ def rebuild_backward(bw: fx.GraphModule, joint: fx.GraphModule, graph_problem: G
 def _other_output_of_untracked_op(node: fx.Node, step_names) -> bool:
     """`node` is a getitem of an op that this step does not run (the op belongs to another
     problem node, the op's first output)."""
-    import operator
-
     if node.op != "call_function" or node.target is not operator.getitem:
         return False
     op = node.args[0]
@@ -91,8 +92,6 @@ def _other_output_of_untracked_op(node: fx.Node, step_names) -> bool:
 def _check_untracked(node: fx.Node) -> None:
     """`node` is read before any step made it: only a joint node no problem node stands for
     (a size computation) may be; a tensor value must come from a step or be saved."""
-    from remat.compat import is_sym_node
-
     if node.op == "placeholder" or not is_sym_node(node):
         raise UnsupportedGraphError(
             f"internal: the schedule reads {node.name!r} ({node.format_node()}) before any step "

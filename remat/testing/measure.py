@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten
 
 from remat import compat
@@ -360,8 +361,6 @@ def measure_step_profiler(
     negative). Frees of storage allocated before the step are invisible to the profiler,
     so a step that frees registered tensors reads high by their bytes.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     dev = torch.device(device)
     baseline = _registered_bytes(register, dev)
     activities = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]

@@ -27,14 +27,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves
 
+from remat.frontend.problem import is_loss_seed
+from remat.frontend.profile import storage_bytes, storage_key
 from remat.runtime.inductor.fusion import FusionEstimate, fusion_passes
 from remat.runtime.inductor.wrapper_walk import generated_bytes, graph_workspace, output_storages
+from remat_solvers import StepKind
+
+# inductor's internals come from remat.compat inside each function: torch._inductor's
+# compiler and graph lowering load only when a plan is estimated, not with remat.
 
 
 class _Generated(Exception):
@@ -82,8 +90,6 @@ class GraphBytes:
 def input_views(gm: fx.GraphModule) -> frozenset[str]:
     """Names of `gm`'s values that share storage with one of its inputs (the forward's
     saved transpose of a weight): saved for the backward, they hold no memory of their own."""
-    from remat.frontend.profile import storage_key
-
     def keys(n: fx.Node) -> set[int]:
         val = n.meta.get("val")
         return {storage_key(val)} if isinstance(val, torch.Tensor) else set()
@@ -96,8 +102,6 @@ def uncounted_inputs(gm: fx.GraphModule, views: frozenset[str] = frozenset()) ->
     """Inputs both accountings leave out: `NOT_COUNTED_INPUTS`, the loss's seed (a tangent
     of at most one element), and `views` (see `input_views`: their storage is a
     parameter's, which the graph never frees)."""
-    from remat.frontend.problem import is_loss_seed
-
     return frozenset(n.name for n in gm.graph.nodes if n.op == "placeholder"
                      and (n.name.startswith(NOT_COUNTED_INPUTS) or is_loss_seed(n) or n.name in views))
 
@@ -107,10 +111,6 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
     """Peak of `gm` run op by op (see `GraphBytes`; `uncounted`: inputs left out, see
     `uncounted_inputs`); views share their base's storage; `workspace` (node name ->
     bytes, `graph_workspace`) is live while its node runs, as `remat_solvers.simulate` counts it."""
-    from torch.utils._pytree import tree_leaves
-
-    from remat.frontend.profile import storage_bytes, storage_key
-
     nodes = list(gm.graph.nodes)
     tensors = {n: [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)] for n in nodes}
     # one span per allocation: a value recomputed twice (remat/runtime/schedule.py) has
@@ -148,8 +148,6 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
 def counted_inputs(gm: fx.GraphModule, uncounted: frozenset[str]) -> dict[str, int]:
     """The inputs both accountings count, each with its storage: two saved values may
     share one (a tensor and a view of it), which holds its bytes once."""
-    from remat.frontend.profile import storage_key
-
     return {n.name: storage_key(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")
             if n.name not in uncounted and isinstance(n.meta.get("val"), torch.Tensor)}
 
@@ -212,10 +210,6 @@ def donated_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int)
     donated buffers, `collect_fw_donated_buffer_idxs`): saved activations aliasing no
     forward input, no user output and no gradient. The real compile learns them after
     the partition; the estimate must lower the backward the same way."""
-    from torch.utils._pytree import tree_leaves
-
-    from remat.frontend.profile import storage_key
-
     def val(n: Any) -> Any:
         v = n.meta.get("val") if isinstance(n, fx.Node) else None
         return v if isinstance(v, torch.Tensor) else None
@@ -233,8 +227,6 @@ def _donating(idxs: list[int] | None):
     """AOTAutograd's donated buffers of the graph being estimated, where inductor reads
     them (`torch._inductor.utils.get_donated_idxs`: the tracing context's metadata). During
     the partition that metadata is not there yet: a stand-in carries only the indices."""
-    import types
-
     from remat.compat import TracingContext, functorch_config
 
     context = TracingContext.try_get()
@@ -267,8 +259,6 @@ def estimate_fusion(graphs: Sequence[tuple[fx.GraphModule, bool]], *, fusion: st
     forward's code returns them in (`output_storages`). `workspace`: both accountings
     count each op's measured scratch while it runs (`graph_workspace`), as remat's plan
     does when it measured workspace; either both or neither, or the margin is off by it."""
-    from torch.utils._pytree import tree_leaves
-
     from remat.compat import compile_fx_inner, unset_fake_temporarily
     from remat.compat import inductor_config as config
 
@@ -324,8 +314,6 @@ def inductor_peak_bytes(evaluation: Any, generated: Sequence[GraphBytes]) -> int
     its steps is at least those outside bytes plus the graph's op-by-op peak, so each term
     bounds that graph's real peak. Adding the largest excess to the step's peak instead
     over-counts when the graphs peak apart (tests/runtime/test_inductor_margin.py)."""
-    from remat_solvers.problem import StepKind
-
     excess = {g.graph: g.excess_bytes for g in generated}
     peaks = {"forward": 0, "backward": 0}
     for step, live in zip(evaluation.steps, evaluation.timeline):

@@ -44,6 +44,9 @@ import dataclasses
 import functools
 from typing import Any
 
+# inductor's scheduler classes come from remat.compat inside each function: torch._inductor's
+# scheduler and memory modules load when a graph is compiled, not with remat.
+
 FUSION_MODES = ("peak", "neighbours", "inductor")
 """`peak` (the default): neighbours, and kernels further apart when moving the later one up
 keeps every position under the graph's estimated peak before fusion (`_PeakGuard`).

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def _directory() -> Path:
-    from remat.compat import inductor_cache_dir
+    from remat.compat import inductor_cache_dir  # on use: only cache=True reads inductor's cache
 
     return Path(inductor_cache_dir()) / "remat_plans"
 

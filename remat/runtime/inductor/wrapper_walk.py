@@ -15,17 +15,22 @@ from __future__ import annotations
 from typing import Any
 
 from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from remat.frontend.workspace import joint_device
+from remat.frontend.workspace import measure as measure_workspace
+
+# inductor's classes come from remat.compat inside each function: torch._inductor's codegen
+# and ir modules load only when a graph is compiled, not with remat.
 
 
 def graph_workspace(gm: fx.GraphModule) -> dict[str, int]:
     """Each op's measured workspace in `gm` (`remat.frontend.workspace`, cached per op
     signature: the planner measured the same ops), by node name; none on meta tensors."""
-    from remat.frontend import workspace
-
-    device = workspace.joint_device(gm)
+    device = joint_device(gm)
     if device is None or device.type == "meta":
         return {}
-    return workspace.measure([n for n in gm.graph.nodes if n.op == "call_function"], device)
+    return measure_workspace([n for n in gm.graph.nodes if n.op == "call_function"], device)
 
 
 def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
@@ -35,8 +40,6 @@ def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
     (their `MultiOutputLine`s follow the call, interleaved with frees of its inputs,
     which come later in fact: without them the walk reads LLaMA tiny's attention
     backward 155,552 B under the profiler). 0 for any other line."""
-    from torch.utils._pytree import tree_leaves
-
     from remat.compat import inductor_wrapper as w
 
     if not isinstance(line, (w.ExternKernelAllocLine, w.ExternKernelOutLine)):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from remat.runtime.step.storages import key
 
@@ -41,8 +42,6 @@ class DdpState:
         if not keys:
             return
         self._looked = True
-        from torch.nn.parallel import DistributedDataParallel
-
         for obj in gc.get_objects():
             # type(), not isinstance: a dead weak proxy among the objects raises on __class__
             if issubclass(type(obj), DistributedDataParallel) and any(

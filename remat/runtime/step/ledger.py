@@ -49,9 +49,11 @@ from torch import nn
 
 from remat.errors import InfeasibleBudgetError
 from remat.planning.budget import format_bytes, resolve_budget
+from remat.planning.planner import lowest_found
 from remat.runtime.step import split, storages
 from remat.runtime.step.ddp import DdpState
 from remat.runtime.step.fsdp import FsdpState
+from remat_solvers import solve
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,9 +285,6 @@ class StepLedger:
             self.shares, self.predicted_step_bytes = split.allocate(records, self._menus(), self.budget_bytes)
 
     def _menus(self) -> dict[int, tuple[split.Option, ...]]:
-        from remat.planning.planner import lowest_found
-        from remat_solvers import solve
-
         menus = {}
         for graph, steps in self.graphs.items():
             problem = steps[0].graph_problem.problem
