@@ -154,7 +154,7 @@ class Partitioner:
         t_traced = time.perf_counter()
         settings = self.settings
         options = dict(settings.solver_options)
-        gp, baseline, speed = self._built(joint, num_fwd_outputs, param_indices)
+        gp, baseline, speed = self._problem_of(joint, num_fwd_outputs, param_indices)
         budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
                         else resolve_budget(self.budget, baseline))
         gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
@@ -212,7 +212,7 @@ class Partitioner:
         return at_the_floor(gp, failed, solver=settings.solver, options=options, baseline_bytes=baseline,
                             offload=settings.offload, schedules=settings.schedules)
 
-    def _built(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
+    def _problem_of(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         """The joint graph's problem (budget 0), its no-remat peak and the device speed.
         Kept for the same joint graph: inductor's loop plans it again
         under a lower budget (`remat.runtime.inductor.estimate`), and building it again
@@ -220,7 +220,7 @@ class Partitioner:
         key = (num_fwd_outputs, tuple(param_indices) if param_indices else None, len(joint.graph.nodes))
         if self._problem_cache is not None and self._problem_cache[0] is joint and self._problem_cache[1] == key:
             return self._problem_cache[2]
-        built = self._build(joint, num_fwd_outputs, param_indices)
+        built = self._build_problem(joint, num_fwd_outputs, param_indices)
         self._problem_cache = (joint, key, built)
         return built
 
@@ -230,7 +230,7 @@ class Partitioner:
         (`PlannerSettings.measure_workspace`)."""
         return self.settings.measures_workspace
 
-    def _build(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
+    def _build_problem(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         log.debug("remat: profiling the joint graph (%d nodes)", len(joint.graph.nodes), extra={STAGE: "profile"})
         settings = self.settings
         device = joint_device(joint)

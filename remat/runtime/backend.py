@@ -152,12 +152,12 @@ class RematBackend(SettingsView):
             try:
                 return graph.start(example_inputs)
             except RematError as e:
-                raise passthrough(e) from None
+                raise reraised_through_dynamo(e) from None
         compiled, step = self._compile(gm, example_inputs, mode=mode, options=options)
         if step is not None:
             self.steps.append(step)
         if self.settings.drop_outputs and step is not None:
-            compiled = _Watching(compiled, self._graphs)
+            compiled = _CheckingDroppedOutputs(compiled, self._graphs)
             self._graphs += 1
         return compiled
 
@@ -181,7 +181,7 @@ class RematBackend(SettingsView):
         except Exception as e:
             error = partitioner.error or (e if isinstance(e, RematError) else None)
             if error is not None:
-                raise passthrough(error) from None
+                raise reraised_through_dynamo(error) from None
             raise
         if partitioner.step is not None:
             if key is not None:
@@ -310,7 +310,7 @@ def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: s
     return _partitioner_class()(partitioner, uuid, fusion)
 
 
-class _Watching:
+class _CheckingDroppedOutputs:
     """A compiled graph that checks at backward that the outputs declared dropped are
     gone (`remat.runtime.dropped`); what else dynamo reads of it is the graph's own."""
 
@@ -361,7 +361,7 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches
         return compile_fx(gm, list(example_inputs), config_patches=patches)
 
 
-def passthrough(error: RematError) -> RematError:
+def reraised_through_dynamo(error: RematError) -> RematError:
     """The same error, also a dynamo `ShortenTraceback`: dynamo re-raises those as they
     are instead of wrapping them in `BackendCompilerFailed`, so `except RematError` (and
     `except InfeasibleBudgetError`) in user code sees remat's error from `torch.compile`."""
@@ -369,7 +369,7 @@ def passthrough(error: RematError) -> RematError:
 
     if isinstance(error, ShortenTraceback):
         return error
-    cls = _passthrough_class(type(error))
+    cls = _reraised_class(type(error))
     out = cls.__new__(cls)
     out.__dict__.update(error.__dict__)
     out.args = error.args
@@ -378,7 +378,7 @@ def passthrough(error: RematError) -> RematError:
 
 
 @functools.lru_cache(maxsize=None)
-def _passthrough_class(cls: type) -> type:
+def _reraised_class(cls: type) -> type:
     from remat.compat import ShortenTraceback
 
     return type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__})
@@ -402,4 +402,4 @@ def _device_fingerprint() -> str:
             f"{speed.bandwidth_bytes_per_s:.2g}{gpu}")
 
 
-__all__ = ["COMPILERS", "OUTPUTS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "passthrough"]
+__all__ = ["COMPILERS", "OUTPUTS", "PINNED_INDUCTOR_CONFIG", "RematBackend", "backend", "reraised_through_dynamo"]
