@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import fx
@@ -48,6 +48,29 @@ def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
         "compiler='eager' (op by op, no fusion)", budget_bytes=budget_bytes, min_peak_bytes=need)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tried:
+    """A plan made (`step`, with its forward and backward) and estimated under inductor."""
+
+    step: Any  # PlannedStep
+    generated: tuple[GraphBytes, ...]
+    """Each graph's peak as inductor generates it vs op by op."""
+
+    @property
+    def peak(self) -> int:
+        """remat's op-by-op peak."""
+        return self.step.evaluation.peak_bytes
+
+    @property
+    def margin(self) -> int:
+        """What inductor's code adds to `peak` (negative where it holds less)."""
+        return inductor_peak_bytes(self.step.evaluation, self.generated) - self.peak
+
+    @property
+    def under_inductor(self) -> int:
+        return self.peak + self.margin
+
+
 def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, *, fusion: str,
                       **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Closed loop: plan, ask inductor what its generated code adds over remat's op-by-op
@@ -65,39 +88,42 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     best_effort, asked = partitioner.best_effort, partitioner.budget
     estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
 
-    def graph_bytes(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[GraphBytes, ...]:
-        key = (fw.code, bw.code)
+    def partitioned() -> Any:
+        """The partitioner's step at its budget."""
+        partitioner(joint, joint_inputs, **kwargs)
+        return partitioner.step
+
+    def under_inductor(step: Any) -> _Tried:
+        """`step` estimated under inductor."""
+        key = (step.forward.code, step.backward.code)
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
-            estimated[key] = estimate_fusion(((fw, False), (bw, True)), fusion=fusion,
+            estimated[key] = estimate_fusion(((step.forward, False), (step.backward, True)), fusion=fusion,
                                              num_fwd_outputs=kwargs.get("num_fwd_outputs"),
                                              workspace=partitioner.measures_workspace)[1]
-        return estimated[key]
+        return _Tried(step, estimated[key])
 
-    no_remat = None  # (peak, margin) of the plan that saves everything, once estimated
-    canonical = None  # ((peak, margin), bytes) of the floor without schedules, once estimated
+    def plan() -> _Tried:
+        return under_inductor(partitioned())
+
+    no_remat = None  # the plan that saves everything, once estimated
+    canonical = None  # (the floor without schedules, its bytes), once estimated
     if is_percentage(partitioner.budget):
-        no_remat = _of_inductors_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
+        no_remat = _of_inductors_peak(partitioner, plan)
     try:
-        fw, bw = partitioner(joint, joint_inputs, **kwargs)
-        budget_bytes, at_floor = partitioner.step.budget_bytes, False
+        tried = plan()
+        budget_bytes, at_floor = tried.step.budget_bytes, False
     except InfeasibleBudgetError as e:  # below remat's floor op by op: the floor's margin decides
         budget_bytes, at_floor = e.budget_bytes, True
         partitioner.budget = _planned_past(e).min_peak_bytes
         log.info("remat: planning at the floor, %d B", e.min_peak_bytes)
-        fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    step = partitioner.step
-    margin, worst = 0, 0
-
-    least = None  # (peak, margin) of the plan tried that peaks lowest under inductor
+        tried = plan()
+    worst = 0
+    least = tried  # the plan tried that peaks lowest under inductor
     for replan in range(MAX_REPLANS + 2):
-        generated = graph_bytes(fw, bw)
-        # what inductor adds to remat's peak (the largest `excess_bytes`, or less)
-        margin = inductor_peak_bytes(step.evaluation, generated) - step.evaluation.peak_bytes
-        log.debug("remat: %s, margin %d B", generated, margin)
-        worst = max(worst, margin)
-        if least is None or step.evaluation.peak_bytes + margin < sum(least):
-            least = (step.evaluation.peak_bytes, margin)
-        if step.evaluation.peak_bytes + margin <= budget_bytes:
+        log.debug("remat: %s, margin %d B", tried.generated, tried.margin)
+        worst = max(worst, tried.margin)
+        least = min(least, tried, key=_under_inductor)
+        if tried.under_inductor <= budget_bytes:
             break
         if at_floor or replan >= MAX_REPLANS:
             # the floor op by op may peak higher under inductor than a plan tried before
@@ -105,48 +131,43 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # floor, 1,267,576 B at 100%), or, where it recomputes a value twice, than the
             # floor of plans that recompute each value once (LLaMA tiny: inductor's code
             # holds more beside the copies)
-            no_remat = no_remat or _at_no_remat_peak(partitioner, joint, joint_inputs, kwargs, graph_bytes)
-            if canonical is None and step.plan.schedule is not None:
-                canonical = _at_canonical_floor(partitioner, joint, joint_inputs, kwargs, graph_bytes)
+            no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
+            if canonical is None and tried.step.plan.schedule is not None:
+                canonical = _at_canonical_floor(partitioner, plan)
             others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {})}
-            fitting = [name for name, found in others.items() if sum(found) <= budget_bytes]  # cheapest first
-            lowest = min(others, key=lambda name: sum(others[name]))
-            pick = fitting[0] if fitting else lowest if best_effort and sum(others[lowest]) < sum(least) else None
+            fitting = [name for name, found in others.items() if found.under_inductor <= budget_bytes]
+            lowest = min(others, key=lambda name: others[name].under_inductor)  # cheapest first
+            pick = (fitting[0] if fitting else
+                    lowest if best_effort and others[lowest].under_inductor < least.under_inductor else None)
             if pick is not None:
-                if pick == "no remat":
-                    partitioner.budget = partitioner.step.baseline_peak_bytes  # saves everything
-                    fw, bw = partitioner(joint, joint_inputs, **kwargs)
-                else:
-                    with _canonical(partitioner):
-                        partitioner.budget = canonical[1]
-                        fw, bw = partitioner(joint, joint_inputs, **kwargs)
-                step, margin = partitioner.step, others[pick][1]
-                generated = graph_bytes(fw, bw)
+                tried = others[pick]
                 break
-            least = min(least, *others.values(), key=sum)
-            if best_effort and not (isinstance(asked, int) and sum(least) > asked):
+            least = min(least, *others.values(), key=_under_inductor)
+            if best_effort and not (isinstance(asked, int) and least.under_inductor > asked):
                 break  # the ledger's first step: the lowest found runs, unless over the whole budget
-            partitioner.error = _refusal(budget_bytes, *least)
+            partitioner.error = _refusal(budget_bytes, least.peak, least.margin)
             raise partitioner.error
         # a margin as large as the budget leaves nothing: the floor decides (below)
         partitioner.budget = max(1, budget_bytes - worst)
         log.info("remat: inductor adds %d B to a plan peaking at %d B; replanning under %d B",
-                 margin, step.evaluation.peak_bytes, partitioner.budget)
+                 tried.margin, tried.peak, partitioner.budget)
         try:
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
+            tried = plan()
         except InfeasibleBudgetError as e:  # below the floor: the floor's own margin decides
             at_floor = True
             partitioner.budget = _planned_past(e).min_peak_bytes
             log.info("remat: replanning at the floor, %d B", e.min_peak_bytes)
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
-        step = partitioner.step
-    if room and margin < 0 and step.evaluation.peak_bytes + margin <= budget_bytes and not at_floor:
-        (fw, bw), step, margin, generated = _use_the_deficit(
-            partitioner, joint, joint_inputs, kwargs, budget_bytes, (fw, bw), step, margin, generated, graph_bytes)
-    partitioner.step = dataclasses.replace(step, budget_bytes=budget_bytes, fusion_margin_bytes=margin,
-                                           fusion_graph_bytes=tuple(generated),
-                                           no_remat_margin_bytes=no_remat[1] if no_remat else None)
-    return fw, bw
+            tried = plan()
+    if room and tried.margin < 0 and tried.under_inductor <= budget_bytes and not at_floor:
+        tried = _use_the_deficit(partitioner, partitioned, under_inductor, budget_bytes, tried)
+    partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes, fusion_margin_bytes=tried.margin,
+                                           fusion_graph_bytes=tuple(tried.generated),
+                                           no_remat_margin_bytes=no_remat.margin if no_remat else None)
+    return tried.step.forward, tried.step.backward
+
+
+def _under_inductor(tried: _Tried) -> int:
+    return tried.under_inductor
 
 
 def _planned_past(error: BaseException) -> BaseException:
@@ -157,53 +178,42 @@ def _planned_past(error: BaseException) -> BaseException:
     return error.with_traceback(None)
 
 
-def _of_inductors_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
-                       graph_bytes: Any) -> tuple[int, int]:
+def _of_inductors_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
     """A percentage budget made a percentage of inductor's no-remat peak: remat's
     no-remat peak plus what inductor's code adds to the plan that saves everything (or
-    less, where it holds less). Returns that plan's (peak, margin); the partitioner's
-    budget is then in bytes (or, for the ledger's share, its no-remat peak is shifted
-    by the margin)."""
+    less, where it holds less). Returns that plan; the partitioner's budget is then in
+    bytes (or, for the ledger's share, its no-remat peak is shifted by the margin)."""
     budget, budget_for, best_effort = partitioner.budget, partitioner.budget_for, partitioner.best_effort
     partitioner.budget = "100%"  # the plan that saves everything (views aside: they are free)
-    fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    peak = partitioner.step.evaluation.peak_bytes
-    margin = inductor_peak_bytes(partitioner.step.evaluation, graph_bytes(fw, bw)) - peak
+    no_remat = plan()
     if budget_for is None:
-        partitioner.budget = resolve_budget(budget, peak + margin)
+        partitioner.budget = resolve_budget(budget, no_remat.under_inductor)
     else:
+        margin = no_remat.margin
         partitioner.budget = budget
         partitioner.budget_for, partitioner.best_effort = (lambda b: budget_for(b + margin)), best_effort
     log.info("remat: %s of inductor's no-remat peak, %d B (remat's %d B %+d B from inductor's kernels)",
-             budget, peak + margin, peak, margin)
-    return peak, margin
+             budget, no_remat.under_inductor, no_remat.peak, no_remat.margin)
+    return no_remat
 
 
-def _at_no_remat_peak(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
-                      graph_bytes: Any) -> tuple[int, int]:
-    """(peak, margin) under inductor of the plan at the graph's no-remat peak."""
+def _at_no_remat_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
+    """The plan at the graph's no-remat peak."""
     partitioner.budget = partitioner.step.baseline_peak_bytes
-    fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    evaluation = partitioner.step.evaluation
-    return evaluation.peak_bytes, inductor_peak_bytes(evaluation, graph_bytes(fw, bw)) - evaluation.peak_bytes
+    return plan()
 
 
-def _at_canonical_floor(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
-                        graph_bytes: Any) -> tuple[tuple[int, int], int]:
-    """((peak, margin) under inductor, budget) of the floor of the plans that recompute
-    each value at most once (`_canonical`), planned at that floor's bytes."""
+def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried]) -> tuple[_Tried, int]:
+    """(the plan, its budget) at the floor of the plans that recompute each value at most
+    once (`_canonical`), planned at that floor's bytes."""
     with _canonical(partitioner):
         partitioner.budget = 1
         try:
-            partitioner(joint, joint_inputs, **kwargs)
-            floor_bytes = partitioner.step.budget_bytes  # a graph that holds nothing
+            floor_bytes = plan().step.budget_bytes  # a graph that holds nothing
         except InfeasibleBudgetError as e:
             floor_bytes = _planned_past(e).min_peak_bytes
         partitioner.budget = floor_bytes
-        fw, bw = partitioner(joint, joint_inputs, **kwargs)
-    evaluation = partitioner.step.evaluation
-    margin = inductor_peak_bytes(evaluation, graph_bytes(fw, bw)) - evaluation.peak_bytes
-    return (evaluation.peak_bytes, margin), floor_bytes
+        return plan(), floor_bytes
 
 
 @contextlib.contextmanager
@@ -224,29 +234,27 @@ clamped at 0, 10.3 ms after one try, 5.6 ms after three; each try is a solve and
 lowering of both graphs)."""
 
 
-def _use_the_deficit(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
-                     budget_bytes: int, graphs: tuple[fx.GraphModule, fx.GraphModule], step: Any, margin: int,
-                     generated: tuple[GraphBytes, ...], graph_bytes: Any) -> tuple[Any, Any, int, tuple]:
-    """The plan fits with room: inductor's code holds `-margin` bytes less than remat's
+def _use_the_deficit(partitioner: Any, partitioned: Callable[[], Any], under_inductor: Callable[[Any], _Tried],
+                     budget_bytes: int, fits: _Tried) -> _Tried:
+    """The plan `fits` with room: inductor's code holds `-margin` bytes less than remat's
     op-by-op peak. Plan again under the budget plus that room, and keep the plan when it
     costs less and its own prediction fits the budget; then move the target by what the
     last prediction left (up by the room still free, or down by the overshoot: a plan
     that saves more may get less room), `DEFICIT_TRIES` plans in all."""
-    best = graphs, step, margin, generated
+    best = fits
     lo, hi = budget_bytes, math.inf  # the highest target kept, the lowest that overshot
-    target = budget_bytes - margin
+    target = budget_bytes - fits.margin
     for _ in range(DEFICIT_TRIES):
         partitioner.budget = target
         log.info("remat: inductor's code holds %d B less than remat's model; trying a plan under %d B",
-                 -best[2], target)
-        fw, bw = partitioner(joint, joint_inputs, **kwargs)
-        wider = partitioner.step
-        if wider.evaluation.cost_s >= best[1].evaluation.cost_s:
+                 -best.margin, target)
+        step = partitioned()
+        if step.evaluation.cost_s >= best.step.evaluation.cost_s:
             break  # saving more buys nothing here
-        both = graph_bytes(fw, bw)
-        predicted = inductor_peak_bytes(wider.evaluation, both)
+        wider = under_inductor(step)
+        predicted = wider.under_inductor
         if predicted <= budget_bytes:
-            best, lo = ((fw, bw), wider, predicted - wider.evaluation.peak_bytes, both), target
+            best, lo = wider, target
         else:
             hi = target
             log.info("remat: that plan would peak at %d B under inductor", predicted)
@@ -255,7 +263,6 @@ def _use_the_deficit(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any,
             target = (lo + hi) // 2 if hi < math.inf else target
         if predicted == budget_bytes or not lo < target < hi:
             break
-    partitioner.step = best[1]
     return best
 
 
