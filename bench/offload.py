@@ -22,13 +22,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from remat_solvers import Decision  # noqa: E402
 
 import remat  # noqa: E402
+from remat.budget import format_bytes  # noqa: E402
 from remat.errors import InfeasibleBudgetError  # noqa: E402
-from remat.planning.budget import format_bytes  # noqa: E402
 from remat.testing import zoo  # noqa: E402
 from remat.testing.measure import measure_step  # noqa: E402
+from remat_solvers import Decision  # noqa: E402
 
 HEADER = ("| model | budget | / recompute floor | predicted peak | measured peak | offloaded "
           "| transfer ms (hidden) | extra ms: offload plan | extra ms: recompute-only at floor | grads == eager |")

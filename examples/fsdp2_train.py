@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import remat  # noqa: E402
-from remat.planning.budget import format_bytes  # noqa: E402
+from remat.budget import format_bytes  # noqa: E402
 from remat.testing.measure import measure_step_profiler  # noqa: E402
 
 WORLD = 2

@@ -5,6 +5,8 @@
 """
 
 from remat.api import Planned, plan
+from remat.budget import resolve_budget
+from remat.compile_backend import RematBackend, backend
 from remat.errors import (
     BudgetError,
     CompositionError,
@@ -15,8 +17,6 @@ from remat.errors import (
     UnsupportedGraphError,
     UnsupportedTorchError,
 )
-from remat.planning.budget import resolve_budget
-from remat.runtime.backend import RematBackend, backend
 
 __all__ = [
     "BudgetError",

@@ -16,17 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.compile_backend import RematBackend
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import workspace
 from remat.frontend.costs import DeviceSpeed
-from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import FlatModel, FlatSignature, TensorsOnce, compile_joint
+from remat.offload.costing import offload_device, resolve_bandwidth
+from remat.partitioner import Partitioner, PlannedStep
 from remat.planning import distributed
-from remat.planning.planner import Partitioner, PlannedStep
 from remat.planning.settings import PlannerSettings, SettingsView
 from remat.planning.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from remat.report import summary
-from remat.runtime.backend import RematBackend
 from remat_solvers import Plan
 
 log = logging.getLogger(__name__)

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import remat
+from remat import partitioner
+from remat.budget import format_bytes
 from remat.cli import fit
 from remat.cli import target as tgt
 from remat.cli.progress import Stages
 from remat.errors import RematError
 from remat.frontend import devices
 from remat.frontend.fake import build_fake, to_fake
-from remat.planning import planner
-from remat.planning.budget import format_bytes
 from remat.report import html, plots, text, to_json
 from remat.report.breakdown import TrainingOptions
 from remat.report.data import below_the_floor, build_report
@@ -161,7 +161,7 @@ def _cmd_report(opts: argparse.Namespace) -> int:
     with stages.stage("building the model"):
         built, speed, cost_model = _build(opts, tgt.parse_sets(opts.set))
     with stages.planning(opts.verbose):
-        planner.log.debug("remat: tracing the training step", extra={planner.STAGE: "trace"})
+        partitioner.log.debug("remat: tracing the training step", extra={partitioner.STAGE: "trace"})
         # "no" is an answer: below the floor, the floor's plan from the same trace, reported
         planned = remat.plan(built.model, built.args, built.kwargs, budget=opts.budget, solver=opts.solver,
                              device_speed=speed, offload=_OFFLOAD[opts.offload], outputs=opts.outputs,

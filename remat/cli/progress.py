@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from remat.planning import planner
+from remat import partitioner
 
 
 class Stages:
@@ -46,7 +46,7 @@ class Stages:
     @contextlib.contextmanager
     def planning(self, verbose: bool = False) -> Iterator[None]:
         """A stage for `remat.plan` whose description follows the planner: a filter on
-        the `remat.planning.planner` logger reads each record's stage (and drops the record
+        the `remat.partitioner` logger reads each record's stage (and drops the record
         unless `verbose`, so nothing else prints)."""
         with self.stage("tracing") as advance:
             display = getattr(advance, "__self__", None)
@@ -55,7 +55,7 @@ class Stages:
             self.planner_log = []
 
             def on_record(record: logging.LogRecord) -> bool:
-                stage = getattr(record, planner.STAGE, None)
+                stage = getattr(record, partitioner.STAGE, None)
                 if stage is None:
                     return True
                 seen.append(stage)
@@ -69,14 +69,14 @@ class Stages:
                     display.describe(f"{text} ({done})" if done else text)
                 return verbose
 
-            level = planner.log.level
-            planner.log.addFilter(on_record)
-            planner.log.setLevel(logging.DEBUG)
+            level = partitioner.log.level
+            partitioner.log.addFilter(on_record)
+            partitioner.log.setLevel(logging.DEBUG)
             try:
                 yield
             finally:
-                planner.log.removeFilter(on_record)
-                planner.log.setLevel(level)
+                partitioner.log.removeFilter(on_record)
+                partitioner.log.setLevel(level)
                 self.planner_stages = tuple(seen)
                 self.planner_log.append((current[0], time.perf_counter() - current[1]))
 

@@ -26,10 +26,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from remat.budget import format_bytes
 from remat.errors import InfeasibleBudgetError
-from remat.frontend.offloading import offload_hint
 from remat.frontend.problem import GraphProblem
-from remat.planning.budget import format_bytes
+from remat.offload.costing import offload_hint
 from remat_solvers import SOLVERS, Plan, Problem, Status, solve
 from remat_solvers.base import finish
 from remat_solvers.least_peak import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_lower_bound, scheduled_plans
@@ -131,3 +131,10 @@ def _remember(key: tuple[Problem, float, int], plan: Plan) -> None:
     while len(_FLOOR_PLANS) > _REMEMBERED:
         _FLOOR_PLANS.popitem(last=False)
 
+
+def lowest_found(problem: Problem, failed: Plan) -> Plan:
+    """Without the floor search (seconds of ILP per graph): the lower-peak plan of the
+    failed solve's and recompute-everything, as a plan that fits at its own peak."""
+    everything = solve(problem.with_budget(0), "all")
+    best = min((failed, everything), key=lambda p: (p.peak_bytes, p.objective_s))
+    return finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)

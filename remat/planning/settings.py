@@ -3,7 +3,7 @@
 `remat.plan` builds it with `PlannerSettings.for_eager`, `remat.backend` with
 `PlannerSettings.for_backend`; each constructor holds its path's defaults and runs
 `check_settings`, so both entry points refuse the same bad values with the same words.
-`remat.planning.planner.Partitioner` plans every graph of that entry point with it."""
+`remat.partitioner.Partitioner` plans every graph of that entry point with it."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from remat.budget import check_budget_syntax
 from remat.errors import RematError, UnknownSolverError
 from remat.frontend.costs import COST_MODELS, DeviceSpeed
-from remat.frontend.offloading import check_offload
-from remat.planning.budget import check_budget_syntax
+from remat.offload.costing import check_offload
 from remat_solvers import SOLVERS
 
 OUTPUTS = ("all", "loss")
@@ -29,13 +29,13 @@ keyword option goes to the solver (`PlannerSettings.solver_options`)."""
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlannerSettings:
-    """What `remat.planning.planner.Partitioner` plans every graph of one `remat.plan` or
+    """What `remat.partitioner.Partitioner` plans every graph of one `remat.plan` or
     `remat.backend` with. What varies per graph (the budget the closed loop sets again,
     the ledger's share, the offload link of the graph's device) is the Partitioner's."""
 
     budget: int | str
     """As the user gave it: bytes, a string with units, or a percentage of the no-remat
-    peak (`remat.planning.budget.resolve_budget`); it covers the whole forward+backward step."""
+    peak (`remat.budget.resolve_budget`); it covers the whole forward+backward step."""
     solver: str = "auto"
     """A name in `remat_solvers.SOLVERS`."""
     solver_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -48,7 +48,7 @@ class PlannerSettings:
     "fallback" (only where the recompute-only plan does not fit)."""
     custom_offload_ops: bool = False
     """Inductor compiles the result: offload through custom ops, reloads not prefetched
-    (they wait in place there; remat/runtime/offload_ops.py)."""
+    (they wait in place there; remat/offload/ops.py)."""
     sync_ranks: bool | None = None
     """Take rank 0's plan on every rank (`remat.planning.distributed`); None: when a process group
     of more than one rank is initialized."""

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from remat.budget import format_bytes
 from remat.errors import RematError
-from remat.planning.budget import format_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from remat.report.pareto import ParetoPoint, min_peak_bytes, sweep
 from remat_solvers import Decision, Phase
 
 if TYPE_CHECKING:
-    from remat.planning.planner import PlannedStep
+    from remat.partitioner import PlannedStep
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

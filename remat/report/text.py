@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from remat.budget import format_bytes
 from remat.errors import RematError
-from remat.planning.budget import format_bytes
 from remat_solvers import Decision, Phase
 from remat_solvers.prefetch import prefetched_ids
 
 if TYPE_CHECKING:
-    from remat.planning.planner import PlannedStep
+    from remat.compile_backend import RematBackend
+    from remat.partitioner import PlannedStep
     from remat.report.data import Report
-    from remat.runtime.backend import RematBackend
 
 
 def summary(step: "PlannedStep", *, top: int = 10) -> str:

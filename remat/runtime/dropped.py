@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat.budget import format_bytes
 from remat.errors import RematError
-from remat.planning.budget import format_bytes
 
 
 class DroppedOutputHeldError(RematError):

@@ -22,8 +22,8 @@ from remat.compat import extract_fwd_bwd_modules, is_sym_node
 from remat.errors import UnsupportedGraphError
 from remat.frontend.accumulate import sum_in_place
 from remat.frontend.problem import GraphProblem
+from remat.offload.host import insert_offloads
 from remat.runtime import rng
-from remat.runtime.offload import insert_offloads
 from remat.runtime.schedule import rebuild_backward, recomputes_twice
 from remat_solvers import Decision, Evaluation, Plan, StepKind
 from remat_solvers.shared_storage import read_in_backward, shared_saves

@@ -193,14 +193,14 @@ def _refused_floor(model, x) -> int:
 def test_the_cuda_libraries_workspaces_count_all_step(monkeypatch):
     """What the planner learns of the libraries' workspaces (measured on a GPU; given here)
     is one value live all step: every peak, the floor included, rises by exactly it."""
-    import remat.planning.planner
+    import remat.partitioner
     from remat.frontend.problem import LIBRARY_WORKSPACES
     from remat_solvers import Phase
 
     held = 1 << 20
     model, x = _mlp()
     plain, plain_floor = remat.plan(model, (x,), budget="100%"), _refused_floor(model, x)
-    monkeypatch.setattr(remat.planning.planner, "library_workspace_bytes", lambda device: held)
+    monkeypatch.setattr(remat.partitioner, "library_workspace_bytes", lambda device: held)
     model, x = _mlp()
     planned, floor = remat.plan(model, (x,), budget="100%"), _refused_floor(model, x)
     assert planned.predicted_peak_bytes == plain.predicted_peak_bytes + held

@@ -14,9 +14,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import remat
+from remat.compile_backend import backend
 from remat.frontend.layouts import eager_cpu_layouts
 from remat.testing.measure import measure_step
-from remat.runtime.backend import backend
 from remat_solvers import Decision
 from nets import assert_trains_like_eager
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import remat
-from remat.planning.budget import format_bytes
 import remat.cli.main as cli
+from remat.budget import format_bytes
 from remat.cli import target
 from remat.report.breakdown import activations_at_peak
 

@@ -4,6 +4,7 @@ could collide with another project's."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -48,3 +49,38 @@ def test_the_installed_names_outside_the_checkout(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert pathlib.Path(result.stdout.strip()).parent.name == "solvers"
+
+
+# remat's rooms in the order the pipeline runs them; a module imports only from its own
+# room or an earlier one at module level (a function-local import upward names its reason)
+LAYERS = (
+    ("errors", "compat", "budget"),  # the vocabulary every room uses
+    ("frontend",),  # trace, profile, cost, build the Problem
+    ("offload",),  # what offload costs, and its host copies
+    ("planning",),  # settings, floor, passes over a plan
+    ("runtime",),  # rewrite and run a plan
+    ("partitioner",),  # front end + planning + rewrite for one joint graph
+    ("report",),  # read a planned step
+    ("api", "compile_backend"),  # the entry points: remat.plan, remat.backend
+    ("cli", "testing", "__init__", "__main__"),
+)
+
+
+def _layer(module: str) -> int:
+    room = module.split(".")[1] if "." in module else "__init__"
+    return next(i for i, rooms in enumerate(LAYERS) if room in rooms)
+
+
+def test_module_level_imports_run_down_the_pipeline():
+    upward = []
+    for path in sorted((ROOT / "remat").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ImportFrom) or (node.module or "").split(".")[0] != "remat":
+                continue
+            targets = ([f"remat.{alias.name}" for alias in node.names] if node.module == "remat"
+                       else [node.module])
+            upward += [f"{path.relative_to(ROOT)}:{node.lineno} imports {target}" for target in targets
+                       if _layer(target) > _layer(module)]
+    assert upward == []

@@ -3,7 +3,7 @@
 import pytest
 
 from remat import BudgetError, resolve_budget
-from remat.planning.budget import format_bytes
+from remat.budget import format_bytes
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from strategies import problems
 
 import remat
+from remat.errors import InfeasibleBudgetError
 from remat.planning import floor as remat_floor
 from remat.testing import zoo
-from remat.errors import InfeasibleBudgetError
 from remat_solvers import Status, builders, simulate, solve
 from remat_solvers.least_peak import least_peak_plan, peak_lower_bound, scheduled_plans
-from strategies import problems
 
 
 @settings(max_examples=40)
@@ -37,14 +37,14 @@ def test_no_plan_peaks_below_the_lower_bound(problem):
 def test_a_budget_below_the_lower_bound_is_refused_without_a_solve(monkeypatch):
     """The planner answers such a budget from the floor search alone: no solve at the
     budget asked for, and the same floor as a budget above the bound but below the floor."""
-    from remat.planning import planner
+    from remat import partitioner
 
     case = _case()
     solves, bounds = [], []
-    solve_at, refused = planner.Partitioner._solve, planner.refused_without_solving
-    monkeypatch.setattr(planner.Partitioner, "_solve", lambda self, problem, options: solves.append(
+    solve_at, refused = partitioner.Partitioner._solve, partitioner.refused_without_solving
+    monkeypatch.setattr(partitioner.Partitioner, "_solve", lambda self, problem, options: solves.append(
         problem.budget_bytes) or solve_at(self, problem, options))
-    monkeypatch.setattr(planner, "refused_without_solving", lambda problem, *a: bounds.append(
+    monkeypatch.setattr(partitioner, "refused_without_solving", lambda problem, *a: bounds.append(
         peak_lower_bound(problem)) or refused(problem, *a))
     with pytest.raises(InfeasibleBudgetError) as below:
         remat.plan(case.model, case.args, case.kwargs, budget=1, **LIMIT)

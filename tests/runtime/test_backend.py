@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.runtime.backend import backend
+from remat.compile_backend import backend
 from remat.testing.measure import measure_step
 from nets import step_from_cleared_grads
 

@@ -13,9 +13,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import remat
+from remat.compile_backend import PINNED_INDUCTOR_CONFIG, backend
 from remat.frontend import costs
 from remat.testing.measure import measure_step
-from remat.runtime.backend import PINNED_INDUCTOR_CONFIG, backend
 from nets import grad_copies
 
 

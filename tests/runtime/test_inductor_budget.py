@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.runtime.backend import backend
+from remat.compile_backend import backend
 from remat.runtime.inductor.estimate import inductor_peak_bytes
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.runtime.backend import backend
+from remat.compile_backend import backend
 
 
 class Attention(nn.Module):

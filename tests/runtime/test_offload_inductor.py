@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat.runtime.backend import backend
-from remat.runtime.offload_ops import RELOAD, STORE
+from remat.compile_backend import backend
+from remat.offload.ops import RELOAD, STORE
 from remat_solvers import Decision, solve
 from nets import Tower
 

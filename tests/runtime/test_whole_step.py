@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning.budget import resolve_budget
+from remat.budget import resolve_budget
+from remat.planning.floor import lowest_found
 from remat.testing.measure import measure_step
-from remat.planning.planner import lowest_found
 from remat_solvers import solve
 from nets import step_from_cleared_grads
 

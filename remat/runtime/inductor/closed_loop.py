@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import fx
 
+from remat.budget import format_bytes, is_percentage, resolve_budget
 from remat.errors import InfeasibleBudgetError
-from remat.planning.budget import format_bytes, is_percentage, resolve_budget
 from remat.runtime.inductor.estimate import GraphBytes, estimate_fusion, inductor_peak_bytes
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,15 @@ import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 
-from remat.planning.planner import PlannedStep
 from remat_solvers import Plan
+
+if TYPE_CHECKING:  # the step record is made above the runtime, by the partitioner
+    from remat.partitioner import PlannedStep
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
+from remat.budget import format_bytes
 from remat.compat import FakeTensor
 from remat.errors import InfeasibleBudgetError
-from remat.planning.budget import format_bytes
 from remat.runtime import dropped
 from remat.runtime.step import split
 from remat.runtime.step.ledger import Call, Compile, StepLedger

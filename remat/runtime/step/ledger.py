@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError
-from remat.planning.budget import format_bytes, resolve_budget
-from remat.planning.planner import lowest_found
+from remat.planning.floor import lowest_found
 from remat.runtime.step import split, storages
 from remat.runtime.step.ddp import DdpState
 from remat.runtime.step.fsdp import FsdpState

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from remat.budget import format_bytes
 from remat.errors import RematError
 from remat.frontend import costs
 from remat.frontend.problem import GraphProblem
-from remat.planning.budget import format_bytes
 from remat_solvers import Decision, Phase, Problem, simulate
 
 OFFLOAD_VALUES = ("auto", True, False, "fallback")

@@ -168,12 +168,12 @@ def insert_offloads(
     first backward use. Returns the ranks for the new reload nodes (the offloaded value's
     own rank, i.e. simulate's RELOAD step), to merge into the backward order; each
     reload's wait has no rank, so the reorder puts it just before its first user.
-    custom_ops: emit the torch.library ops of remat/runtime/offload_ops.py instead of
+    custom_ops: emit the torch.library ops of remat/offload/ops.py instead of
     the Python functions (for graphs inductor compiles; the reload waits in place)."""
     if custom_ops:
         # offload_ops imports this module (a cycle) and registers torch.library ops when
         # loaded: only graphs inductor compiles need them
-        from remat.runtime import offload_ops
+        from remat.offload import ops as offload_ops
     names = set(names) & {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.users}
     out = fw.graph.output_node()
     values = list(out.args[0])

@@ -12,22 +12,21 @@ from typing import Any
 
 from torch import fx
 
+from remat.budget import format_bytes, resolve_budget
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import costs
 from remat.frontend.find_layers import layer_structure
 from remat.frontend.libraries import library_workspace_bytes
-from remat.frontend.offloading import offload_floor_bytes, offload_hint, with_offload
 from remat.frontend.problem import GraphProblem, build_problem
 from remat.frontend.random_ops import make_replayable, with_replay_workspace
 from remat.frontend.workspace import joint_device, with_workspace
+from remat.offload.costing import offload_floor_bytes, offload_hint, with_offload
 from remat.planning import distributed
-from remat.planning.budget import format_bytes, resolve_budget
-from remat.planning.floor import at_the_floor, refused_without_solving, solve_with_floor
+from remat.planning.floor import at_the_floor, lowest_found, refused_without_solving, solve_with_floor
 from remat.planning.fused_recompute import prefer_fused_recompute
 from remat.planning.settings import PlannerSettings
 from remat.runtime.rewrite import partition
 from remat_solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
-from remat_solvers.base import finish
 from remat_solvers.prefetch import prefetch
 from remat_solvers.shared_storage import one_save_per_storage
 
@@ -277,14 +276,6 @@ def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.Device
         if save_s:
             nodes[i] = dataclasses.replace(node, save_s=save_s)
     return dataclasses.replace(problem, nodes=tuple(nodes))
-
-
-def lowest_found(problem: Problem, failed: Plan) -> Plan:
-    """Without the floor search (seconds of ILP per graph): the lower-peak plan of the
-    failed solve's and recompute-everything, as a plan that fits at its own peak."""
-    everything = solve(problem.with_budget(0), "all")
-    best = min((failed, everything), key=lambda p: (p.peak_bytes, p.objective_s))
-    return finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)
 
 
 def _recompute_only(problem: Problem) -> Problem:

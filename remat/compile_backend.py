@@ -69,10 +69,10 @@ from remat.errors import CompositionError, RematError
 from remat.frontend import costs
 from remat.frontend.inductor_random import random_s_per_element
 from remat.frontend.layouts import eager_cpu_layouts
-from remat.frontend.offloading import offload_device, resolve_bandwidth
 from remat.frontend.trace import boxed_eager_compiler
+from remat.offload.costing import offload_device, resolve_bandwidth
+from remat.partitioner import Partitioner, PlannedStep
 from remat.planning import distributed
-from remat.planning.planner import Partitioner, PlannedStep
 from remat.planning.settings import OUTPUTS, PlannerSettings, SettingsView
 from remat.report.text import backend_summary
 from remat.runtime import dropped
@@ -259,7 +259,7 @@ def backend(*, budget: int | str, solver: str = "auto", **kwargs: Any) -> RematB
     see the module docstring). mode / inductor_options: as `torch.compile`'s. sync_ranks:
     as `remat.plan`'s (rank 0's plan on every rank). offload: as `remat.plan`'s ("auto":
     on CUDA only); under inductor the store and reload are custom ops
-    (remat/runtime/offload_ops.py) and reloads wait in place (no prefetch). whole_step:
+    (remat/offload/ops.py) and reloads wait in place (no prefetch). whole_step:
     one budget for the whole step across its graphs (default; `remat.runtime.step.ledger`) or
     each graph on its own (False). outputs: "all" (default) plans for the caller holding
     every output of the compiled step until backward ends; "loss" for a caller that keeps

@@ -1,7 +1,7 @@
 """The offload store and reload as torch.library custom ops, for graphs inductor compiles.
 
 Inductor lowers only registered ops: remat's plain Python `store`/`reload`
-(remat/runtime/offload.py) cannot appear in a graph it compiles. As custom ops they
+(remat/offload/host.py) cannot appear in a graph it compiles. As custom ops they
 become fallback kernels - inductor calls them as they are, in graph order, and frees a
 stored value's buffer after its last use (the store), as `simulate` does. Their fake
 implementations give inductor the shapes: a host uint8 buffer of the stored storage's
@@ -26,7 +26,7 @@ import ctypes
 import torch
 
 from remat.compat import detect_fake_mode
-from remat.runtime import offload as host
+from remat.offload import host
 
 
 @torch.library.custom_op("remat::offload_store", mutates_args=())
