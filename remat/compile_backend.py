@@ -15,8 +15,8 @@ instead (bit-exact against eager on CPU; for debugging).
 What inductor may change after the partition, and what remat pins:
 - `reorder_for_peak_memory` is off: remat's memory model (`remat_solvers.simulate`) is the
   op-by-op order remat emits; inductor's reordering picks among orders by its own
-  estimate, which measured higher than remat's order on some plans (notes: the ranking of
-  two plans flipped). Fusion and buffer reuse stay on: they only drop or share buffers.
+  estimate, which can rank two plans the other way round from what they measure. Fusion
+  and buffer reuse stay on: they only drop or share buffers.
 - `emulate_precision_casts` is on: under bf16 autocast a fused recomputation would keep an
   intermediate in fp32 where the saved value was rounded to bf16 (max gradient difference
   0.0156 measured), so the gradients would depend on which values remat recomputed. With
