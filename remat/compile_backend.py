@@ -216,8 +216,10 @@ class RematBackend(SettingsView):
         patches.update(self.inductor_options)
         patches.update(options or {})
         patches.update(PINNED_INDUCTOR_CONFIG)
-        patches.update(fusion_passes(self.fusion, self.fusion_estimates))
-        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid(), fusion=self.fusion)
+        passes = fusion_passes(self.fusion, self.fusion_estimates)
+        patches.update(passes)
+        patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid(), fusion=self.fusion,
+                                                          rule=passes["_pre_fusion_custom_pass"])
         if not self.cache:
             patches["fx_graph_cache"] = False
         return patches
@@ -281,15 +283,17 @@ def _partitioner_class() -> type:
         object itself (its plan record must reach the backend), and it pickles as its uuid
         (the planner state holds fx graphs and is not part of what the plan depends on)."""
 
-        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...], fusion: str | None = None) -> None:
+        def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...], fusion: str | None = None,
+                     rule: Any = None) -> None:
             self.partitioner = partitioner
             self._uuid = uuid
             self.fusion = fusion
+            self.rule = rule
 
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             if self.fusion is None:
                 return self.partitioner(gm, joint_inputs, **kwargs)
-            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, **kwargs)
+            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, rule=self.rule, **kwargs)
 
         def uuid(self) -> tuple[str, ...]:
             return self._uuid
@@ -303,11 +307,12 @@ def _partitioner_class() -> type:
     return _RematPartitionerFn
 
 
-def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None) -> Any:
+def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None,
+                   rule: Any = None) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
     only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
     of what fusion of that kind adds (`remat.runtime.inductor.estimate`); None: plan once."""
-    return _partitioner_class()(partitioner, uuid, fusion)
+    return _partitioner_class()(partitioner, uuid, fusion, rule)
 
 
 class _CheckingDroppedOutputs:

@@ -52,7 +52,7 @@ def _namespace(target: Any) -> str:
     return getattr(target, "namespace", "") or str(target).split(".", 1)[0]
 
 
-def _hint(value: Any) -> Any:
+def size_hint(value: Any) -> Any:
     """A size by its hint, without guarding on it (int() on a SymInt would specialize
     the graph on this size)."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -68,12 +68,12 @@ def _describe(value: Any) -> Any:
     if isinstance(value, fx.Node):
         value = value.meta.get("val")
     if isinstance(value, torch.Tensor):
-        return ("T", tuple(_hint(s) for s in value.shape), tuple(_hint(s) for s in value.stride()),
+        return ("T", tuple(size_hint(s) for s in value.shape), tuple(size_hint(s) for s in value.stride()),
                 value.dtype, str(value.device))
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("S", type(value).__name__, _hint(value))
+        return ("S", type(value).__name__, size_hint(value))
     return ("V", repr(value))
 
 
@@ -96,8 +96,8 @@ def _materialize(value: Any) -> Any:
     if isinstance(value, fx.Node):
         value = value.meta.get("val")
     if isinstance(value, torch.Tensor):
-        shape = tuple(_hint(s) for s in value.shape)
-        stride = tuple(_hint(s) for s in value.stride())
+        shape = tuple(size_hint(s) for s in value.shape)
+        stride = tuple(size_hint(s) for s in value.stride())
         # filled through its storage: an expanded layout (stride 0) cannot be written
         # element-wise (LLaMA's attention mask is one)
         span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
@@ -112,7 +112,7 @@ def _materialize(value: Any) -> Any:
     if isinstance(value, dict):  # keyword arguments (an attention mask, say)
         return {k: _materialize(v) for k, v in value.items()}
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return _hint(value)
+        return size_hint(value)
     return value
 
 
@@ -171,10 +171,10 @@ def footprint_bytes(node: fx.Node) -> int:
 
 
 def _span_bytes(t: torch.Tensor) -> int:
-    shape = [_hint(n) for n in t.shape]
+    shape = [size_hint(n) for n in t.shape]
     if 0 in shape:
         return 0
-    span = 1 + sum((n - 1) * _hint(st) for n, st in zip(shape, t.stride()))
+    span = 1 + sum((n - 1) * size_hint(st) for n, st in zip(shape, t.stride()))
     return span * t.element_size()
 
 

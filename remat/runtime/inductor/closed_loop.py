@@ -71,8 +71,16 @@ class _Tried:
         return self.peak + self.margin
 
 
+FALLBACK_RULES = {"peak": "neighbours"}
+"""A rule tried on a plan over the budget where its own rule's code holds more than
+remat's model: the compile keeps the rule whose code peaks lower on the plan it runs.
+`peak`'s guard bounds fusion by inductor's estimate, which is not the generated code's
+peak: ViT tiny's floor plan (its schedule recomputes fc1 once per use of the GELU
+backward) holds more beside the copies under `peak` than with neighbour fusion only."""
+
+
 def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, *, fusion: str,
-                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+                      rule: Any = None, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Closed loop: plan, ask inductor what its generated code adds over remat's op-by-op
     model (`estimate_fusion`), and if remat's peak plus that margin is over the budget,
     plan again under the budget minus the largest margin seen; when no plan fits that,
@@ -80,13 +88,23 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     that use the room (`_use_the_deficit`). The step keeps the user's budget
     and records the margin; a refusal names the floor plan's peak plus its margin. Both
     graphs are estimated together: the backward's saved inputs are held in the storages
-    the forward's code returns them in (`estimate.output_storages`)."""
+    the forward's code returns them in (`estimate.output_storages`). `rule`: the compile's
+    fusion pass (`fusion.fusion_passes`), whose mode is set to the rule the plan that runs
+    was estimated under (`FALLBACK_RULES`)."""
     # a plan for the whole-step ledger's share of a known step (strict: a budget_for, no
     # best effort) must hold no more between forward and backward than the split counted
     # for it, so it takes no room above its share
     room = partitioner.budget_for is None or partitioner.best_effort
     best_effort, asked = partitioner.best_effort, partitioner.budget
     estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
+    rules: dict[Any, str] = {}  # the rule each estimate was made under; (key, rule): tried
+    over: list[int] = []  # the budget in bytes, once known: a plan over it tries `FALLBACK_RULES`
+    other = FALLBACK_RULES.get(fusion) if rule is not None else None
+
+    def estimate(step: Any, mode: str) -> tuple[GraphBytes, ...]:
+        return estimate_fusion(((step.forward, False), (step.backward, True)), fusion=mode,
+                               num_fwd_outputs=kwargs.get("num_fwd_outputs"),
+                               workspace=partitioner.measures_workspace)[1]
 
     def partitioned() -> Any:
         """The partitioner's step at its budget."""
@@ -97,10 +115,16 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         """`step` estimated under inductor."""
         key = (step.forward.code, step.backward.code)
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
-            estimated[key] = estimate_fusion(((step.forward, False), (step.backward, True)), fusion=fusion,
-                                             num_fwd_outputs=kwargs.get("num_fwd_outputs"),
-                                             workspace=partitioner.measures_workspace)[1]
-        return _Tried(step, estimated[key])
+            estimated[key], rules[key] = estimate(step, fusion), fusion
+        tried = _Tried(step, estimated[key])
+        if (other is not None and over and rules[key] == fusion and (key, other) not in rules
+                and tried.under_inductor > max(over[0], tried.peak)):
+            rules[(key, other)] = other
+            fallback = _Tried(step, estimate(step, other))
+            if fallback.under_inductor < tried.under_inductor:
+                log.info("remat: %s fusion holds less on this plan than %s fusion", other, fusion)
+                estimated[key], rules[key], tried = fallback.generated, other, fallback
+        return tried
 
     def plan() -> _Tried:
         return under_inductor(partitioned())
@@ -117,6 +141,9 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         partitioner.budget = _planned_past(e).min_peak_bytes
         log.info("remat: planning at the floor, %d B", e.min_peak_bytes)
         tried = plan()
+    over.append(budget_bytes)
+    if tried.under_inductor > budget_bytes:  # estimated before the budget was known
+        tried = under_inductor(tried.step)
     worst = 0
     least = tried  # the plan tried that peaks lowest under inductor
     for replan in range(MAX_REPLANS + 2):
@@ -160,6 +187,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             tried = plan()
     if room and tried.margin < 0 and tried.under_inductor <= budget_bytes and not at_floor:
         tried = _use_the_deficit(partitioner, partitioned, under_inductor, budget_bytes, tried)
+    if rule is not None:
+        rule.mode = rules.get((tried.step.forward.code, tried.step.backward.code), fusion)
     partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes, fusion_margin_bytes=tried.margin,
                                            fusion_graph_bytes=tuple(tried.generated),
                                            no_remat_margin_bytes=no_remat.margin if no_remat else None)
@@ -266,4 +295,4 @@ def _use_the_deficit(partitioner: Any, partitioned: Callable[[], Any], under_ind
     return best
 
 
-__all__ = ["DEFICIT_TRIES", "MAX_REPLANS", "plan_under_fusion"]
+__all__ = ["DEFICIT_TRIES", "FALLBACK_RULES", "MAX_REPLANS", "plan_under_fusion"]

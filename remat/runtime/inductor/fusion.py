@@ -82,8 +82,28 @@ def _estimate(nodes: list[Any]) -> tuple[int, list[int]]:
     return int(peak), live
 
 
-def _allocated_bytes(node: Any) -> int:
-    return sum(buf.mpi_buffer.size_alloc for buf in node.get_outputs())
+def _allocated(node: Any) -> dict[str, int]:
+    """What running `node` allocates, by the storage's name: each output's bytes, but for
+    an output written into another buffer (a `cat`'s input lowered as a write into its
+    slice, `NonOwningLayout`) that whole buffer, which the generated code allocates
+    before its first writer runs; inductor's estimate counts the slice only, where the
+    buffer's own (nop) node sits after all its writers. Counted by the slice, one kernel
+    that writes the first slice of many `cat`s (ViT's class token beside its recomputed
+    patch embeddings) looks cheap to move early, and allocates every one of them there."""
+    from remat.compat import V
+    from remat.compat import inductor_ir as ir
+
+    out: dict[str, int] = {}
+    for i, buf in enumerate(node.get_outputs()):
+        layout = getattr(getattr(buf, "node", None), "layout", None)
+        if isinstance(layout, ir.NonOwningLayout):
+            base = V.graph.try_get_buffer(layout.view.get_name())
+            if base is not None:
+                size = V.graph.sizevars.optimization_hint(base.get_numel(), fallback=0)
+                out[base.get_name()] = max(int(size) * base.get_dtype().itemsize, buf.mpi_buffer.size_alloc)
+                continue
+        out[f"{node.get_name()}:{i}"] = buf.mpi_buffer.size_alloc
+    return out
 
 
 class _PeakGuard:
@@ -101,13 +121,21 @@ class _PeakGuard:
     def __init__(self, nodes: list[Any], live: list[int]) -> None:
         self.live = live
         self.cap = max(live, default=0)
-        self.where = {n.get_name(): (n.min_order, _allocated_bytes(n)) for n in nodes}
+        self.where = {n.get_name(): (n.min_order, _allocated(n)) for n in nodes}
 
     def _extra(self, first: Any, second: Any) -> list[tuple[int, int]]:
-        """(position, bytes that moving `second` up to `first` adds there), latest first."""
+        """(position, bytes that moving `second` up to `first` adds there), latest first;
+        a buffer several moved nodes write into (a `cat`'s) counts once, from the latest."""
         names = {n.get_name() for n in second.get_nodes()} | set(second.ancestors)
-        moved = sorted((w for name in names if (w := self.where.get(name)) and w[0] > first.min_order),
-                       reverse=True)
+        storages: dict[str, tuple[int, int]] = {}
+        for name in names:
+            where = self.where.get(name)
+            if where is None or where[0] <= first.min_order:
+                continue
+            for storage, nbytes in (where[1] or {name: 0}).items():
+                if storages.get(storage, (-1, 0))[0] < where[0]:
+                    storages[storage] = (where[0], nbytes)
+        moved = sorted(storages.values(), reverse=True)
         if not moved:  # a node not in the order before fusion: nothing known, nothing allowed
             return [(first.min_order, self.cap + 1)]
         out, extra, k = [], 0, 0
@@ -191,6 +219,9 @@ def _pass_classes() -> tuple[type, type]:
             super().__init__(uuid, record)
             self.mode = mode
             self.pending_bytes: int | None = None
+
+        def uuid(self) -> str:  # the closed loop may set the rule per plan (closed_loop.FALLBACK_RULES)
+            return f"{self._uuid}-{self.mode}"
 
         def __call__(self, nodes: list[Any]) -> list[Any]:
             if not nodes:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
-from remat.frontend.workspace import joint_device
+from remat.frontend.workspace import joint_device, profiler_recording, size_hint
 from remat.frontend.workspace import measure as measure_workspace
 
 # inductor's classes come from remat.compat inside each function: torch._inductor's codegen
@@ -47,9 +48,57 @@ def _in_call_bytes(line: Any, workspace: dict[str, int]) -> int:
     node = line.node
     origin = getattr(node, "origin_node", None)
     origins = [origin] if origin is not None else list(getattr(node, "origins", None) or ())
-    scratch = max((workspace.get(o.name, 0) for o in origins), default=0)
+    largest = max(origins, key=lambda o: workspace.get(o.name, 0), default=None)
+    scratch = workspace.get(largest.name, 0) if largest is not None else 0
+    if scratch:
+        scratch = _workspace_as_called(largest, node, scratch)
     outputs = [o for o in tree_leaves(getattr(node, "outputs", None) or []) if hasattr(o, "get_name")]
     return scratch + sum(_multi_output_bytes(o.get_name()) for o in outputs if o is not node)
+
+
+def _workspace_as_called(origin: fx.Node, kernel: Any, measured: int) -> int:
+    """An extern kernel's workspace at the strides inductor calls it with. `measured`,
+    its origin node's, is at the FX graph's strides; inductor's layout optimisation may
+    hand the kernel others (a convolution's input and weight channels-last, where oneDNN
+    skips the reorders an NCHW call makes: on cnn tiny's 3x3 convolutions, a few KB of
+    scratch against a quarter MB). The origin's tensor arguments pair with the kernel's
+    inputs in order; where they do not pair (counts or sizes differ), or nothing can be
+    run (a profiler is recording), `measured` stands."""
+    args = [a for a in tree_leaves((origin.args, origin.kwargs))
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    inputs = list(getattr(kernel, "inputs", None) or ())
+    if not args or len(args) != len(inputs) or profiler_recording():
+        return measured
+    restrided: dict[fx.Node, Any] = {}
+    for arg, given in zip(args, inputs):
+        val, stride = arg.meta["val"], _stride(given)
+        try:
+            size = tuple(size_hint(s) for s in val.shape)
+            given_size = tuple(int(_hint(s)) for s in given.get_size())
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
+            return measured
+        if stride is None or given_size != size or getattr(val, "fake_mode", None) is None:
+            return measured
+        if stride != tuple(size_hint(s) for s in val.stride()):
+            with val.fake_mode:
+                restrided[arg] = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
+    if not restrided:
+        return measured
+    graph = fx.Graph()
+    env = {}
+    for arg in {a: None for a in tree_leaves((origin.args, origin.kwargs)) if isinstance(a, fx.Node)}:
+        env[arg] = graph.placeholder(arg.name)
+        env[arg].meta["val"] = restrided.get(arg, arg.meta.get("val"))
+    called = graph.call_function(origin.target, fx.node.map_arg(origin.args, env.__getitem__),
+                                 fx.node.map_arg(origin.kwargs, env.__getitem__))
+    return measure_workspace([called], next(iter(restrided.values())).device).get(called.name, 0)
+
+
+def _hint(size: Any) -> int:
+    """An inductor size expression by its hint."""
+    from remat.compat import V
+
+    return int(V.graph.sizevars.optimization_hint(size, fallback=4096))
 
 
 def _multi_output_bytes(name: str) -> int:
