@@ -171,7 +171,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                 break
             least = min(least, *others.values(), key=_under_inductor)
             if best_effort and not (isinstance(asked, int) and least.under_inductor > asked):
-                break  # the ledger's first step: the lowest found runs, unless over the whole budget
+                tried = least  # the ledger's first step: the lowest found runs, unless over the whole budget
+                break
             partitioner.error = _refusal(budget_bytes, least.peak, least.margin)
             raise partitioner.error
         # a margin as large as the budget leaves nothing: the floor decides (below)
