@@ -131,3 +131,26 @@ def train_zoo_model_through_the_backend(name: str, plan: str) -> None:
     assert be.steps  # remat planned what ran
     if plan == "all recomputed":
         assert any(step.evaluation.recomputed_ids for step in be.steps)
+
+
+def zoo_step_through_the_backend(name: str, budget: str = "100%") -> tuple:
+    """Zoo model `name` (tiny) compiled through `remat.backend(budget, outputs="loss")`,
+    one step run, then one measured by the profiler with what the step takes registered:
+    (the planned step, the measurement)."""
+    import remat
+    from remat.testing import zoo
+
+    torch._dynamo.reset()
+    case = zoo.build(name, size="tiny")
+    be = remat.backend(budget=budget, outputs="loss")
+    compiled = torch.compile(case.model, backend=be)
+
+    def step():
+        compiled(*case.args, **case.kwargs).loss.backward()
+
+    step()
+    (planned,) = be.steps
+    case.model.zero_grad(set_to_none=True)
+    measured = be.measure(step, register=[*case.model.parameters(), *case.model.buffers(), *case.args,
+                                          *case.kwargs.values()])
+    return planned, measured

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.compile_backend import backend
-from nets import needs_torch
+from nets import needs_torch, zoo_step_through_the_backend
 
 
 class Attention(nn.Module):
@@ -63,19 +63,5 @@ def test_a_convolution_holds_the_workspace_of_the_strides_inductor_calls_it_with
     depends on the layout (`wrapper_walk._workspace_as_called`). Charged at the FX
     graph's strides, the walk holds a contiguous call's scratch and the prediction at
     100% reads above the measurement; at the strides of the call, the two are equal."""
-    from remat.testing import zoo
-
-    torch._dynamo.reset()
-    case = zoo.build("cnn", size="tiny")
-    be = backend(budget="100%", outputs="loss")
-    fn = torch.compile(case.model, backend=be)
-
-    def step():
-        fn(*case.args, **case.kwargs).loss.backward()
-
-    step()
-    (planned,) = be.steps
-    case.model.zero_grad(set_to_none=True)
-    measured = be.measure(step, register=[*case.model.parameters(), *case.model.buffers(), *case.args,
-                                          *case.kwargs.values()])
+    planned, measured = zoo_step_through_the_backend("cnn")
     assert measured.peak_bytes == planned.evaluation.peak_bytes + planned.fusion_margin_bytes

@@ -14,7 +14,7 @@ import torch
 
 import remat
 from remat.testing import zoo
-from nets import needs_torch
+from nets import needs_torch, zoo_step_through_the_backend
 
 
 @needs_torch(2, 13, "on torch 2.11 this step measures 262,144 B (the logits' bytes) over the "
@@ -54,17 +54,5 @@ def test_saved_inputs_the_forward_copies_are_counted():
     the backward holds them beside the parameters, where the FX graph saves the inputs
     themselves (free: the caller holds them). With the copies left out, the zoo's tiny
     CNN at 100% measures 38,816 B over the prediction."""
-    torch._dynamo.reset()
-    case = zoo.build("cnn", size="tiny")
-    be = remat.backend(budget="100%", outputs="loss")
-    fn = torch.compile(case.model, backend=be)
-
-    def step():
-        fn(*case.args, **case.kwargs).loss.backward()
-
-    step()
-    (planned,) = be.steps
-    case.model.zero_grad(set_to_none=True)
-    measured = be.measure(step, register=[*case.model.parameters(), *case.model.buffers(), *case.args,
-                                          *case.kwargs.values()])
+    planned, measured = zoo_step_through_the_backend("cnn")
     assert measured.peak_bytes <= planned.evaluation.peak_bytes + planned.fusion_margin_bytes
