@@ -74,7 +74,7 @@ def _workspace_as_called(origin: fx.Node, kernel: Any, measured: int) -> int:
         val, stride = arg.meta["val"], _stride(given)
         try:
             size = tuple(size_hint(s) for s in val.shape)
-            given_size = tuple(int(_hint(s)) for s in given.get_size())
+            given_size = tuple(_hint(s) for s in given.get_size())
         except (AttributeError, NotImplementedError, TypeError, ValueError):
             return measured
         if stride is None or given_size != size or getattr(val, "fake_mode", None) is None:
@@ -113,14 +113,12 @@ def _buffer_bytes(node: Any) -> int:
     """Bytes a buffer owns: none for a view of another (`NonOwningLayout`), a write into
     another (`MutationLayoutSHOULDREMOVE`), or a kernel's tuple of outputs (each output
     is a buffer of its own)."""
-    from remat.compat import V
     from remat.compat import inductor_ir as ir
 
     layout = node.get_output_spec()
     if not isinstance(layout, ir.Layout) or isinstance(layout, (ir.NonOwningLayout, ir.MutationLayoutSHOULDREMOVE)):
         return 0
-    size = V.graph.sizevars.optimization_hint(layout.storage_size(), fallback=4096)
-    return int(size) * node.get_dtype().itemsize
+    return _hint(layout.storage_size()) * node.get_dtype().itemsize
 
 
 def _allocated_bytes(line: Any) -> int:
@@ -202,10 +200,9 @@ def output_storages() -> list[tuple[str, int, bool, tuple[int, ...] | None] | No
 
 def _stride(node: Any) -> tuple[int, ...] | None:
     """The strides inductor gives an output (by hint), or None where it has none."""
-    from remat.compat import V
 
     try:
-        return tuple(int(V.graph.sizevars.optimization_hint(s, fallback=4096)) for s in node.get_stride())
+        return tuple(_hint(s) for s in node.get_stride())
     except (AttributeError, NotImplementedError, TypeError, ValueError):
         return None
 
