@@ -24,6 +24,7 @@ from remat.offload.costing import offload_floor_bytes, offload_hint, with_offloa
 from remat.planning import distributed
 from remat.planning.floor import at_the_floor, lowest_found, refused_without_solving, solve_with_floor
 from remat.planning.fused_recompute import prefer_fused_recompute
+from remat.planning.inlining import inlined_problem
 from remat.planning.settings import PlannerSettings
 from remat.runtime.rewrite import partition
 from remat_solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
@@ -70,6 +71,11 @@ class PlannedStep:
     no_remat_margin_bytes: int | None = None
     """Under inductor, where estimated (a percentage budget, or a refusal): what its
     generated code adds to the plan that saves everything; None elsewhere."""
+    planned_peak_bytes: int | None = None
+    """The peak of the model the plan was solved against, where it is not
+    `evaluation`'s: under inductor, the graph as its lowering runs it
+    (`PlannerSettings.inline_pointwise`). The closed loop moves its target in these
+    bytes; None: `evaluation.peak_bytes`."""
     refusal: InfeasibleBudgetError | None = None
     """With `PlannerSettings.floor_if_refused`, the refusal of the budget asked (never
     raised: it holds no traceback); this step is then planned at its `min_peak_bytes`."""
@@ -154,42 +160,49 @@ class Partitioner:
         settings = self.settings
         options = dict(settings.solver_options)
         gp, baseline, speed = self._problem_of(joint, num_fwd_outputs, param_indices)
-        budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
-                        else resolve_budget(self.budget, baseline))
-        gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
+        # the problem solved: the graph as inductor's lowering runs it, where it does; a
+        # percentage is of its no-remat peak
+        solving = inlined_problem(gp, joint) if settings.inline_pointwise else gp
+        solved_baseline = (baseline if solving is gp else
+                           simulate(solving.problem, decisions_all(solving.problem, Decision.SAVE)).peak_bytes)
+        budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
+                        else resolve_budget(self.budget, solved_baseline))
+        gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
+        solving = dataclasses.replace(solving, problem=solving.problem.with_budget(budget_bytes))
         t_profiled = time.perf_counter()
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), settings.solver,
                   extra={STAGE: "solve"})
         # below the bytes every plan holds at its end: refused from the floor search alone
-        plan = None if self.best_effort else refused_without_solving(gp.problem, settings.solver, options)
+        plan = None if self.best_effort else refused_without_solving(solving.problem, settings.solver, options)
         if plan is None:
-            plan = self._solve(gp.problem, options)
+            plan = self._solve(solving.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE and self.best_effort:
-            plan = lowest_found(gp.problem, plan)
+            plan = lowest_found(solving.problem, plan)
         elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
-            plan, refusal = self._at_the_floor(gp, plan, options, baseline)
+            plan, refusal = self._at_the_floor(solving, plan, options, baseline)
         kept_refusal = None
         if refusal is not None and settings.floor_if_refused:  # plan at the floor from this trace
             kept_refusal, budget_bytes = refusal, refusal.min_peak_bytes
             gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
-            plan = self._solve(gp.problem, options)
+            solving = dataclasses.replace(solving, problem=solving.problem.with_budget(budget_bytes))
+            plan = self._solve(solving.problem, options)
             if plan.status is Status.INFEASIBLE:
-                plan, refusal = self._at_the_floor(gp, plan, options, baseline)
+                plan, refusal = self._at_the_floor(solving, plan, options, baseline)
         if settings.cost_model == "compiled" and plan.status is not Status.INFEASIBLE:
             # inductor: saving a fusible value costs traffic (remat.planning.fused_recompute); before the
             # ranks agree, so every rank takes rank 0's result
-            plan = prefer_fused_recompute(joint, gp, plan, speed, random_s_per_element=self.random_s_per_element)
+            plan = prefer_fused_recompute(joint, solving, plan, speed, random_s_per_element=self.random_s_per_element)
         # two saved tensors over one storage would let inductor's backward overwrite one
         # while the other is still to be read (solvers.shared_storage)
-        plan = one_save_per_storage(gp.problem, plan)
+        plan = one_save_per_storage(solving.problem, plan)
         if plan.status is not Status.INFEASIBLE and not settings.custom_offload_ops:  # reloads early
-            plan = prefetch(gp.problem, plan)
+            plan = prefetch(solving.problem, plan)
         if settings.sync_ranks or (settings.sync_ranks is None and distributed.world_size() > 1):
-            plan = distributed.agree_on_plan(gp.problem, plan)  # before raising: all ranks alike
+            plan = distributed.agree_on_plan(solving.problem, plan)  # before raising: all ranks alike
         if plan.status is Status.INFEASIBLE:
-            raise refusal or _infeasible(gp, plan, budget_bytes, baseline, settings.offload)
+            raise refusal or _infeasible(solving, plan, budget_bytes, baseline, settings.offload)
         t_solved = time.perf_counter()
         log.debug("remat: rewriting into forward and backward modules", extra={STAGE: "rewrite"})
         evaluation = simulate(gp.problem, plan)
@@ -202,6 +215,7 @@ class Partitioner:
             timings=PlanTimings(trace_s=t_traced - self.started_s, profile_s=t_profiled - t_traced,
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
             refusal=kept_refusal,
+            planned_peak_bytes=simulate(solving.problem, plan).peak_bytes if solving is not gp else None,
         )
         return fw, bw
 

@@ -417,7 +417,8 @@ more for a dropout mask saved straight from a draw.
 """
 
 
-def _is_pointwise(node: torch.fx.Node) -> bool:
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """Whether `node` runs an ATen op tagged pointwise (inductor fuses it into its readers)."""
     target = node.target
     return (node.op == "call_function" and isinstance(target, OpOverload)
             and torch.Tag.pointwise in target.tags)
@@ -434,10 +435,10 @@ def compiled_node_cost_s(node: torch.fx.Node, speed: DeviceSpeed,
 
         if is_inductor_random(node) and isinstance(_val(node), torch.Tensor):
             return max(node_cost_s(node, speed), _val(node).numel() * random_s_per_element)
-    if not _is_pointwise(node):
+    if not is_pointwise(node):
         return node_cost_s(node, speed)
     read = sum(
-        _tensor_bytes(_val(arg)) for arg in node.all_input_nodes if not _is_pointwise(arg)
+        _tensor_bytes(_val(arg)) for arg in node.all_input_nodes if not is_pointwise(arg)
     )
     if _read_unfused(node):
         read += _tensor_bytes(_val(node))
@@ -470,7 +471,7 @@ def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed, random_s_per_element: f
     matmul's or reduction's output is written whether it is saved or not).
     `random_s_per_element`: a dropout mask stored straight from inductor's random draw
     also costs its draw once more (`remat.frontend.inductor_random.is_stored_mask`)."""
-    if not _is_pointwise(node):
+    if not is_pointwise(node):
         return 0.0
     traffic_s = 2.0 * _tensor_bytes(_val(node)) / speed.bandwidth_bytes_per_s
     if random_s_per_element is not None:

@@ -85,6 +85,12 @@ class PlannerSettings:
     with the allocator, a ResNet 24%: bench/README.md, "The budget as the allocator
     counts it"). Planning with `device_speed` given (fake) assumes every workspace is 0:
     nothing may run there."""
+    inline_pointwise: bool = False
+    """Solve against the graph as inductor's lowering runs it: a pointwise value read by
+    one pointwise or reduction op holds no bytes, and its inputs live until that op
+    (`remat.planning.inlining`). Inductor's closed loop sets it for one of the plans it
+    tries at the floor (`remat.runtime.inductor.closed_loop`); the prediction is still
+    inductor's generated code against the plain graph."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver_options", MappingProxyType(dict(self.solver_options)))

@@ -5,7 +5,11 @@ holds against the same graph op by op, per graph). Where the code holds more, re
 plans again under the budget less that margin; where it holds less (fusion never
 allocates what it inlines), remat tries a plan under the budget plus the room, and keeps
 it when it costs less and its own prediction fits. The step records the margin it ran
-with; the prediction is remat's peak plus it (`estimate.inductor_peak_bytes`).
+with; the prediction is remat's peak plus it (`estimate.inductor_peak_bytes`). Where no
+plan tried fits, the smallest reachable peak is the lowest under inductor of remat's
+floor, the plan at the no-remat peak, the floor of the plans that recompute each value
+once, and that floor solved as inductor's lowering inlines pointwise values
+(`remat.planning.inlining`): each is lowest on some model.
 
 A percentage is of the no-remat peak of the path that runs: inductor's, remat's plan that
 saves everything as inductor generates it (so "100%" always plans). The whole-step
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -58,17 +63,25 @@ class _Tried:
 
     @property
     def peak(self) -> int:
-        """remat's op-by-op peak."""
-        return self.step.evaluation.peak_bytes
+        """The peak of the model remat solved against (`PlannedStep.planned_peak_bytes`):
+        the budget the loop sets is in these bytes."""
+        planned = self.step.planned_peak_bytes
+        return self.step.evaluation.peak_bytes if planned is None else planned
+
+    @functools.cached_property
+    def under_inductor(self) -> int:
+        """The step's peak as inductor generates it."""
+        return inductor_peak_bytes(self.step.evaluation, self.generated)
 
     @property
     def margin(self) -> int:
         """What inductor's code adds to `peak` (negative where it holds less)."""
-        return inductor_peak_bytes(self.step.evaluation, self.generated) - self.peak
+        return self.under_inductor - self.peak
 
     @property
-    def under_inductor(self) -> int:
-        return self.peak + self.margin
+    def over_op_by_op(self) -> int:
+        """What inductor's code adds to the plan run op by op (`PlannedStep.fusion_margin_bytes`)."""
+        return self.under_inductor - self.step.evaluation.peak_bytes
 
 
 FALLBACK_RULES = {"peak": "neighbours"}
@@ -98,7 +111,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     best_effort, asked = partitioner.best_effort, partitioner.budget
     estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
     rules: dict[Any, str] = {}  # the rule each estimate was made under; (key, rule): tried
-    over: list[int] = []  # the budget in bytes, once known: a plan over it tries `FALLBACK_RULES`
+    known: int | None = None  # the budget in bytes, once known: a plan over it tries `FALLBACK_RULES`
     other = FALLBACK_RULES.get(fusion) if rule is not None else None
 
     def estimate(step: Any, mode: str) -> tuple[GraphBytes, ...]:
@@ -117,8 +130,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
             estimated[key], rules[key] = estimate(step, fusion), fusion
         tried = _Tried(step, estimated[key])
-        if (other is not None and over and rules[key] == fusion and (key, other) not in rules
-                and tried.under_inductor > max(over[0], tried.peak)):
+        if (other is not None and known is not None and rules[key] == fusion and (key, other) not in rules
+                and tried.under_inductor > max(known, tried.peak)):
             rules[(key, other)] = other
             fallback = _Tried(step, estimate(step, other))
             if fallback.under_inductor < tried.under_inductor:
@@ -131,6 +144,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
 
     no_remat = None  # the plan that saves everything, once estimated
     canonical = None  # (the floor without schedules, its bytes), once estimated
+    inlined = None  # the same, planned as inductor's lowering inlines (`remat.planning.inlining`)
     if is_percentage(partitioner.budget):
         no_remat = _of_inductors_peak(partitioner, plan)
     try:
@@ -141,7 +155,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         partitioner.budget = _planned_past(e).min_peak_bytes
         log.info("remat: planning at the floor, %d B", e.min_peak_bytes)
         tried = plan()
-    over.append(budget_bytes)
+    known = budget_bytes
     if tried.under_inductor > budget_bytes:  # estimated before the budget was known
         tried = under_inductor(tried.step)
     worst = 0
@@ -155,13 +169,18 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         if at_floor or replan >= MAX_REPLANS:
             # the floor op by op may peak higher under inductor than a plan tried before
             # it, than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
-            # floor, 1,267,576 B at 100%), or, where it recomputes a value twice, than the
+            # floor, 1,267,576 B at 100%), where it recomputes a value twice, than the
             # floor of plans that recompute each value once (LLaMA tiny: inductor's code
-            # holds more beside the copies)
+            # holds more beside the copies), or than that floor planned as inductor's
+            # lowering inlines pointwise values (LLaMA tiny: 2,338,728 B against
+            # 2,494,504 B; GPT-2 tiny peaks lower planned op by op)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
                 canonical = _at_canonical_floor(partitioner, plan)
-            others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {})}
+            if inlined is None and not partitioner.settings.inline_pointwise:
+                inlined = _at_canonical_floor(partitioner, plan, inline_pointwise=True)
+            others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {}),
+                      **({"floor as inductor inlines": inlined[0]} if inlined else {})}
             fitting = [name for name, found in others.items() if found.under_inductor <= budget_bytes]
             lowest = min(others, key=lambda name: others[name].under_inductor)  # cheapest first
             pick = (fitting[0] if fitting else
@@ -173,7 +192,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             if best_effort and not (isinstance(asked, int) and least.under_inductor > asked):
                 tried = least  # the ledger's first step: the lowest found runs, unless over the whole budget
                 break
-            partitioner.error = _refusal(budget_bytes, least.peak, least.margin)
+            partitioner.error = _refusal(budget_bytes, least.step.evaluation.peak_bytes, least.over_op_by_op)
             raise partitioner.error
         # a margin as large as the budget leaves nothing: the floor decides (below)
         partitioner.budget = max(1, budget_bytes - worst)
@@ -190,9 +209,10 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         tried = _use_the_deficit(partitioner, partitioned, under_inductor, budget_bytes, tried)
     if rule is not None:
         rule.mode = rules.get((tried.step.forward.code, tried.step.backward.code), fusion)
-    partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes, fusion_margin_bytes=tried.margin,
+    partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes,
+                                           fusion_margin_bytes=tried.over_op_by_op,
                                            fusion_graph_bytes=tuple(tried.generated),
-                                           no_remat_margin_bytes=no_remat.margin if no_remat else None)
+                                           no_remat_margin_bytes=no_remat.over_op_by_op if no_remat else None)
     return tried.step.forward, tried.step.backward
 
 
@@ -219,7 +239,7 @@ def _of_inductors_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
     if budget_for is None:
         partitioner.budget = resolve_budget(budget, no_remat.under_inductor)
     else:
-        margin = no_remat.margin
+        margin = no_remat.over_op_by_op  # the ledger's share is of the no-remat peak op by op
         partitioner.budget = budget
         partitioner.budget_for, partitioner.best_effort = (lambda b: budget_for(b + margin)), best_effort
     log.info("remat: %s of inductor's no-remat peak, %d B (remat's %d B %+d B from inductor's kernels)",
@@ -228,15 +248,17 @@ def _of_inductors_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
 
 
 def _at_no_remat_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
-    """The plan at the graph's no-remat peak."""
-    partitioner.budget = partitioner.step.baseline_peak_bytes
+    """The plan at the graph's no-remat peak (of the model remat solves)."""
+    partitioner.budget = "100%"
     return plan()
 
 
-def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried]) -> tuple[_Tried, int]:
+def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *,
+                        inline_pointwise: bool = False) -> tuple[_Tried, int]:
     """(the plan, its budget) at the floor of the plans that recompute each value at most
-    once (`_canonical`), planned at that floor's bytes."""
-    with _canonical(partitioner):
+    once (`_canonical`), planned at that floor's bytes; `inline_pointwise`: solved as
+    inductor's lowering inlines pointwise values (`PlannerSettings.inline_pointwise`)."""
+    with _canonical(partitioner, inline_pointwise=inline_pointwise):
         partitioner.budget = 1
         try:
             floor_bytes = plan().step.budget_bytes  # a graph that holds nothing
@@ -247,10 +269,12 @@ def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried]) -> tuple[_
 
 
 @contextlib.contextmanager
-def _canonical(partitioner: Any) -> Iterator[None]:
-    """The partitioner plans without schedules that recompute a value twice, meanwhile."""
+def _canonical(partitioner: Any, *, inline_pointwise: bool = False) -> Iterator[None]:
+    """The partitioner plans without schedules that recompute a value twice (and as
+    inductor inlines, where asked), meanwhile."""
     settings = partitioner.settings
-    partitioner.settings = dataclasses.replace(settings, schedules=False)
+    partitioner.settings = dataclasses.replace(settings, schedules=False,
+                                               inline_pointwise=settings.inline_pointwise or inline_pointwise)
     try:
         yield
     finally:
