@@ -34,8 +34,8 @@ import dataclasses
 
 import torch
 from torch import fx
-from torch._ops import OpOverload
 
+from remat.compat import OpOverload
 from remat.frontend.costs import is_pointwise
 from remat.frontend.problem import GraphProblem
 from remat_solvers import Phase
