@@ -161,15 +161,15 @@ class Partitioner:
         options = dict(settings.solver_options)
         gp, baseline, speed = self._problem_of(joint, num_fwd_outputs, param_indices)
         gp = with_offload(gp, self.offload_bandwidth_bytes_per_s)
-        # the problem solved: the graph as inductor's lowering runs it, where it does; a
+        # the problem solved: the graph as inductor's lowering runs it, where asked; a
         # percentage is of its no-remat peak
-        solving = inlined_problem(gp, joint) if settings.inline_pointwise else gp
-        solved_baseline = (baseline if solving is gp else
-                           simulate(solving.problem, decisions_all(solving.problem, Decision.SAVE)).peak_bytes)
+        inlined = inlined_problem(gp, joint) if settings.inline_pointwise else None
+        solved_baseline = (baseline if inlined is None else
+                           simulate(inlined.problem, decisions_all(inlined.problem, Decision.SAVE)).peak_bytes)
         budget_bytes = (self.budget_for(baseline) if self.budget_for is not None
                         else resolve_budget(self.budget, solved_baseline))
-        gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
-        solving = dataclasses.replace(solving, problem=solving.problem.with_budget(budget_bytes))
+        gp = _with_budget(gp, budget_bytes)
+        solving = gp if inlined is None else _with_budget(inlined, budget_bytes)
         t_profiled = time.perf_counter()
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), settings.solver,
                   extra={STAGE: "solve"})
@@ -185,8 +185,8 @@ class Partitioner:
         kept_refusal = None
         if refusal is not None and settings.floor_if_refused:  # plan at the floor from this trace
             kept_refusal, budget_bytes = refusal, refusal.min_peak_bytes
-            gp = dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
-            solving = dataclasses.replace(solving, problem=solving.problem.with_budget(budget_bytes))
+            gp = _with_budget(gp, budget_bytes)
+            solving = gp if inlined is None else _with_budget(inlined, budget_bytes)
             plan = self._solve(solving.problem, options)
             if plan.status is Status.INFEASIBLE:
                 plan, refusal = self._at_the_floor(solving, plan, options, baseline)
@@ -215,7 +215,7 @@ class Partitioner:
             timings=PlanTimings(trace_s=t_traced - self.started_s, profile_s=t_profiled - t_traced,
                                 solve_s=t_solved - t_profiled, rewrite_s=t_done - t_solved),
             refusal=kept_refusal,
-            planned_peak_bytes=simulate(solving.problem, plan).peak_bytes if solving is not gp else None,
+            planned_peak_bytes=None if inlined is None else simulate(solving.problem, plan).peak_bytes,
         )
         return fw, bw
 
@@ -290,6 +290,10 @@ def with_save_costs(gp: GraphProblem, joint: fx.GraphModule, speed: costs.Device
         if save_s:
             nodes[i] = dataclasses.replace(node, save_s=save_s)
     return dataclasses.replace(problem, nodes=tuple(nodes))
+
+
+def _with_budget(gp: GraphProblem, budget_bytes: int) -> GraphProblem:
+    return dataclasses.replace(gp, problem=gp.problem.with_budget(budget_bytes))
 
 
 def _recompute_only(problem: Problem) -> Problem:
