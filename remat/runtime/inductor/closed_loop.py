@@ -47,7 +47,9 @@ def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} does not hold under inductor: the smallest "
         f"reachable peak found is {format_bytes(need)}, by the plan that peaks lowest under "
-        f"inductor of those tried (down to remat's floor, and the one at the no-remat peak): "
+        f"inductor of those tried (down to remat's floor, the floor of the plans that recompute each "
+        f"value once, op by op and as inductor inlines pointwise values, and the plan at the no-remat "
+        f"peak): "
         f"{format_bytes(peak_bytes)} op by op, {margin:+,} B from inductor's kernels (generated "
         f"code vs op by op); raise the budget to at least {need} bytes, or use "
         "compiler='eager' (op by op, no fusion)", budget_bytes=budget_bytes, min_peak_bytes=need)
