@@ -460,9 +460,17 @@ def _read_unfused(node: torch.fx.Node) -> bool:
             return True
         if _is_view(target):
             stack.extend(user.users)
-        elif torch.Tag.pointwise not in target.tags and torch.Tag.reduction not in target.tags:
+        elif not fuses_pointwise_inputs(user):
             return True
     return False
+
+
+def fuses_pointwise_inputs(node: torch.fx.Node) -> bool:
+    """Whether inductor computes a pointwise producer inside `node`'s kernel: `node` runs
+    an ATen op tagged pointwise or reduction."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, OpOverload)
+            and (torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags))
 
 
 def save_cost_s(node: torch.fx.Node, speed: DeviceSpeed, random_s_per_element: float | None = None) -> float:

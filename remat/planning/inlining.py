@@ -32,21 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import fx
 
-from remat.compat import OpOverload
-from remat.frontend.costs import is_pointwise
+from remat.frontend.costs import fuses_pointwise_inputs, is_pointwise
 from remat.frontend.problem import GraphProblem
 from remat_solvers import Phase
-
-
-def _fuses_a_pointwise_input(node: fx.Node) -> bool:
-    """Whether inductor's lowering inlines a pointwise producer into `node`'s kernel:
-    `node` is pointwise or a reduction."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, OpOverload)
-            and (torch.Tag.pointwise in target.tags or torch.Tag.reduction in target.tags))
 
 
 def inlined_ids(gp: GraphProblem, joint: fx.GraphModule) -> frozenset[int]:
@@ -68,7 +58,7 @@ def inlined_ids(gp: GraphProblem, joint: fx.GraphModule) -> frozenset[int]:
         (reader,) = fx_node.users
         j = users[i][0]
         if (gp.fx_names[j][0] == reader.name and problem.nodes[j].phase is node.phase
-                and problem.nodes[j].alias_of is None and _fuses_a_pointwise_input(reader)):
+                and problem.nodes[j].alias_of is None and fuses_pointwise_inputs(reader)):
             out.add(i)
     return frozenset(out)
 
