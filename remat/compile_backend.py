@@ -210,6 +210,7 @@ class RematBackend(SettingsView):
 
     def _inductor_config(self, mode: str | None, options: dict[str, Any] | None,
                          partitioner: Partitioner) -> dict[str, Any]:
+        from remat.compat import inductor_config as config
         from remat.compat import list_mode_options
 
         patches = dict(list_mode_options(mode)) if mode else {}
@@ -218,8 +219,13 @@ class RematBackend(SettingsView):
         patches.update(PINNED_INDUCTOR_CONFIG)
         passes = fusion_passes(self.fusion, self.fusion_estimates)
         patches.update(passes)
+        # the closed loop may turn layout optimization off for this graph's plan: it sets
+        # the key in this dict, which compile_fx applies again around each graph's
+        # lowering (the backward's too, compiled lazily after this patch has ended)
+        patches.setdefault("layout_optimization", config.layout_optimization)
         patches["custom_partitioner_fn"] = partitioner_fn(partitioner, self.uuid(), fusion=self.fusion,
-                                                          rule=passes["_pre_fusion_custom_pass"])
+                                                          rule=passes["_pre_fusion_custom_pass"],
+                                                          inductor_config=patches)
         if not self.cache:
             patches["fx_graph_cache"] = False
         return patches
@@ -284,16 +290,18 @@ def _partitioner_class() -> type:
         (the planner state holds fx graphs and is not part of what the plan depends on)."""
 
         def __init__(self, partitioner: Partitioner, uuid: tuple[str, ...], fusion: str | None = None,
-                     rule: Any = None) -> None:
+                     rule: Any = None, inductor_config: dict[str, Any] | None = None) -> None:
             self.partitioner = partitioner
             self._uuid = uuid
             self.fusion = fusion
             self.rule = rule
+            self.inductor_config = inductor_config
 
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
             if self.fusion is None:
                 return self.partitioner(gm, joint_inputs, **kwargs)
-            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, rule=self.rule, **kwargs)
+            return plan_under_fusion(self.partitioner, gm, joint_inputs, fusion=self.fusion, rule=self.rule,
+                                     inductor_config=self.inductor_config, **kwargs)
 
         def uuid(self) -> tuple[str, ...]:
             return self._uuid
@@ -308,11 +316,13 @@ def _partitioner_class() -> type:
 
 
 def partitioner_fn(partitioner: Partitioner, uuid: tuple[str, ...], *, fusion: str | None = None,
-                   rule: Any = None) -> Any:
+                   rule: Any = None, inductor_config: dict[str, Any] | None = None) -> Any:
     """A `CustomPartitionerFn` (its class is built lazily: `torch._inductor` is heavy and
     only this backend needs it). `fusion`: plan in a closed loop with inductor's estimate
-    of what fusion of that kind adds (`remat.runtime.inductor.estimate`); None: plan once."""
-    return _partitioner_class()(partitioner, uuid, fusion, rule)
+    of what fusion of that kind adds (`remat.runtime.inductor.estimate`); None: plan once.
+    `inductor_config`: the compile's config patch, where the loop sets the settings it
+    chose (`plan_under_fusion`)."""
+    return _partitioner_class()(partitioner, uuid, fusion, rule, inductor_config)
 
 
 class _CheckingDroppedOutputs:

@@ -76,6 +76,10 @@ class PlannedStep:
     `evaluation`'s: under inductor, the graph as its lowering runs it
     (`PlannerSettings.inline_pointwise`). The closed loop moves its target in these
     bytes; None: `evaluation.peak_bytes`."""
+    inductor_settings: tuple[tuple[str, Any], ...] = ()
+    """Under inductor: the settings remat gave this graph's compile because its code
+    peaks lower with them on the plan that runs (`layout_optimization` False:
+    `remat.runtime.inductor.closed_loop`); () elsewhere."""
     refusal: InfeasibleBudgetError | None = None
     """With `PlannerSettings.floor_if_refused`, the refusal of the budget asked (never
     raised: it holds no traceback); this step is then planned at its `min_peak_bytes`."""

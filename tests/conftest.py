@@ -40,8 +40,9 @@ TORCH_API_FILES = frozenset({
     # inductor: the partitioner hook, scheduler passes, generated-code estimate, caches
     "test_backend.py", "test_backend_gradients.py", "test_backend_inductor.py", "test_fusion_peak_guard.py",
     "test_inductor_budget.py", "test_inductor_extern_calls.py", "test_inductor_inlined_floor.py",
-    "test_inductor_margin.py", "test_inductor_percentages.py", "test_inductor_random.py", "test_inductor_refusal.py",
-    "test_inductor_saved_views.py", "test_offload_inductor.py", "test_outputs.py", "test_shared_storage.py",
+    "test_inductor_layout.py", "test_inductor_margin.py", "test_inductor_percentages.py", "test_inductor_random.py",
+    "test_inductor_refusal.py", "test_inductor_saved_views.py", "test_offload_inductor.py", "test_outputs.py",
+    "test_shared_storage.py",
     # torch.distributed: DDP's optimizer, FSDP2's internals (remat.runtime.step.fsdp)
     "test_distributed.py", "test_ddp_buckets.py",
     # AOTAutograd tracing and fake tensors: random ops, meta-device values, symbolic sizes

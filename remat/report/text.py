@@ -156,6 +156,11 @@ def backend_summary(be: "RematBackend") -> str:
         compiled += "\ngenerated code:  " + ", ".join(
             f"{'' if len(be.steps) == 1 else f'#{i} '}{g.graph} {g.generated_bytes} B vs {g.op_by_op_bytes} B op by op"
             for i, g in graph_bytes)
+    chosen = [(i, step.inductor_settings) for i, step in enumerate(be.steps) if step.inductor_settings]
+    if chosen:  # what the closed loop set for a graph's compile, where its code peaks lower so
+        compiled += "\ninductor config: " + ", ".join(
+            f"{'' if len(be.steps) == 1 else f'#{i} '}" + ", ".join(f"{k}={v}" for k, v in settings)
+            for i, settings in chosen) + " (the plan's code peaks lower so)"
     if be.measured is not None:
         predicted = (be.ledger.predicted_step_bytes if step_wide else
                      sum(step.evaluation.peak_bytes + step.fusion_margin_bytes for step in be.steps))

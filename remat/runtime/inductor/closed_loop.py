@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import fx
 
 from remat.budget import format_bytes, is_percentage, resolve_budget
@@ -94,8 +95,32 @@ peak: ViT tiny's floor plan (its schedule recomputes fc1 once per use of the GEL
 backward) holds more beside the copies under `peak` than with neighbour fusion only."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """How inductor compiles a plan: its fusion rule (`FUSION_MODES`) and, where remat
+    sets it, inductor's `layout_optimization` (None: the compile's own setting)."""
+
+    rule: str
+    layout_optimization: bool | None = None
+
+
+def _layout_alternative(joint: fx.GraphModule, inductor_config: dict[str, Any] | None) -> bool:
+    """Whether a plan over the budget is also estimated with inductor's layout
+    optimization off: the compile has it on and the graph convolves. Inductor then runs
+    convolutions channels-last and converts around them, which holds more than the graph
+    op by op on some models (ResNet tiny's floor plan: about 270,000 B more in the
+    forward) and less on others (cnn tiny: channels-last convolutions need less scratch),
+    so it is chosen per plan."""
+    from remat.compat import inductor_config as config
+
+    if inductor_config is None or not inductor_config.get("layout_optimization", config.layout_optimization):
+        return False
+    return any(n.target is torch.ops.aten.convolution.default for n in joint.graph.nodes)
+
+
 def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any, *, fusion: str,
-                      rule: Any = None, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+                      rule: Any = None, inductor_config: dict[str, Any] | None = None,
+                      **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Closed loop: plan, ask inductor what its generated code adds over remat's op-by-op
     model (`estimate_fusion`), and if remat's peak plus that margin is over the budget,
     plan again under the budget minus the largest margin seen; when no plan fits that,
@@ -105,21 +130,28 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
     graphs are estimated together: the backward's saved inputs are held in the storages
     the forward's code returns them in (`estimate.output_storages`). `rule`: the compile's
     fusion pass (`fusion.fusion_passes`), whose mode is set to the rule the plan that runs
-    was estimated under (`FALLBACK_RULES`)."""
+    was estimated under (`FALLBACK_RULES`). `inductor_config`: the compile's config patch
+    (the dict `compile_fx` applies to the forward's and the lazily compiled backward's
+    lowering), where the lowering chosen for the plan that runs sets
+    `layout_optimization` (`_layout_alternative`)."""
     # a plan for the whole-step ledger's share of a known step (strict: a budget_for, no
     # best effort) must hold no more between forward and backward than the split counted
     # for it, so it takes no room above its share
     room = partitioner.budget_for is None or partitioner.best_effort
     best_effort, asked = partitioner.best_effort, partitioner.budget
     estimated: dict[tuple[str, str], tuple[GraphBytes, ...]] = {}  # a replan may give the same graphs
-    rules: dict[Any, str] = {}  # the rule each estimate was made under; (key, rule): tried
-    known: int | None = None  # the budget in bytes, once known: a plan over it tries `FALLBACK_RULES`
-    other = FALLBACK_RULES.get(fusion) if rule is not None else None
+    lowered: dict[tuple[str, str], Lowering] = {}  # how each estimate was lowered
+    attempted: set[tuple[tuple[str, str], Lowering]] = set()  # alternatives estimated per plan
+    known: int | None = None  # the budget in bytes, once known: a plan over it tries the alternatives
+    default = Lowering(fusion)
+    alternatives = ([Lowering(FALLBACK_RULES[fusion])] if rule is not None and fusion in FALLBACK_RULES else []) + (
+        [Lowering(fusion, layout_optimization=False)] if _layout_alternative(joint, inductor_config) else [])
 
-    def estimate(step: Any, mode: str) -> tuple[GraphBytes, ...]:
-        return estimate_fusion(((step.forward, False), (step.backward, True)), fusion=mode,
+    def estimate(step: Any, lowering: Lowering) -> tuple[GraphBytes, ...]:
+        return estimate_fusion(((step.forward, False), (step.backward, True)), fusion=lowering.rule,
                                num_fwd_outputs=kwargs.get("num_fwd_outputs"),
-                               workspace=partitioner.measures_workspace)[1]
+                               workspace=partitioner.measures_workspace,
+                               layout_optimization=lowering.layout_optimization)[1]
 
     def partitioned() -> Any:
         """The partitioner's step at its budget."""
@@ -127,18 +159,22 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
         return partitioner.step
 
     def under_inductor(step: Any) -> _Tried:
-        """`step` estimated under inductor."""
+        """`step` estimated under inductor; over a known budget, where the code holds more
+        than remat's model, also under each alternative lowering, keeping the lowest."""
         key = (step.forward.code, step.backward.code)
         if key not in estimated:  # lowering and codegen: tens of seconds on GPT-2 tiny
-            estimated[key], rules[key] = estimate(step, fusion), fusion
+            estimated[key], lowered[key] = estimate(step, default), default
         tried = _Tried(step, estimated[key])
-        if (other is not None and known is not None and rules[key] == fusion and (key, other) not in rules
-                and tried.under_inductor > max(known, tried.peak)):
-            rules[(key, other)] = other
-            fallback = _Tried(step, estimate(step, other))
-            if fallback.under_inductor < tried.under_inductor:
-                log.info("remat: %s fusion holds less on this plan than %s fusion", other, fusion)
-                estimated[key], rules[key], tried = fallback.generated, other, fallback
+        if known is None or tried.under_inductor <= max(known, tried.peak):
+            return tried
+        for lowering in alternatives:
+            if (key, lowering) in attempted:
+                continue
+            attempted.add((key, lowering))
+            alternative = _Tried(step, estimate(step, lowering))
+            if alternative.under_inductor < tried.under_inductor:
+                log.info("remat: %s holds less on this plan than %s", lowering, lowered[key])
+                estimated[key], lowered[key], tried = alternative.generated, lowering, alternative
         return tried
 
     def plan() -> _Tried:
@@ -209,9 +245,14 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             tried = plan()
     if room and tried.margin < 0 and tried.under_inductor <= budget_bytes and not at_floor:
         tried = _use_the_deficit(partitioner, partitioned, under_inductor, budget_bytes, tried)
+    chosen = lowered.get((tried.step.forward.code, tried.step.backward.code), default)
     if rule is not None:
-        rule.mode = rules.get((tried.step.forward.code, tried.step.backward.code), fusion)
-    partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes,
+        rule.mode = chosen.rule
+    settings: tuple[tuple[str, Any], ...] = ()
+    if chosen.layout_optimization is not None and inductor_config is not None:
+        inductor_config["layout_optimization"] = chosen.layout_optimization
+        settings = (("layout_optimization", chosen.layout_optimization),)
+    partitioner.step = dataclasses.replace(tried.step, budget_bytes=budget_bytes, inductor_settings=settings,
                                            fusion_margin_bytes=tried.over_op_by_op,
                                            fusion_graph_bytes=tuple(tried.generated),
                                            no_remat_margin_bytes=no_remat.over_op_by_op if no_remat else None)
@@ -322,4 +363,4 @@ def _use_the_deficit(partitioner: Any, partitioned: Callable[[], Any], under_ind
     return best
 
 
-__all__ = ["DEFICIT_TRIES", "FALLBACK_RULES", "MAX_REPLANS", "plan_under_fusion"]
+__all__ = ["DEFICIT_TRIES", "FALLBACK_RULES", "MAX_REPLANS", "Lowering", "plan_under_fusion"]
