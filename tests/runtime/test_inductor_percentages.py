@@ -77,3 +77,29 @@ def test_a_percentage_below_the_floor_is_refused_as_the_first_step_ends():
     compiled = torch.compile(case.model, backend=remat.backend(budget="40%", outputs="loss"))
     with pytest.raises(remat.InfeasibleBudgetError, match="smallest reachable peak of the step"):
         compiled(*case.args, **case.kwargs).loss.backward()
+
+
+def test_the_whole_step_refusal_names_a_floor_that_plans():
+    """The tiny MLP at 60% of its no-remat peak under inductor, whole step: the first step
+    runs the lowest plan found, whose code holds 114,432 B less than remat's model of it.
+    The split's floor is that plan's peak under inductor, not remat's op-by-op floor less
+    that room (650,072 B, below any plan inductor runs): the refusal names it, and that
+    many bytes plan and measure under it."""
+    from remat.testing import zoo
+
+    def compiled(budget):
+        torch._dynamo.reset()
+        case = zoo.build("mlp", size="tiny")
+        be = remat.backend(budget=budget, outputs="loss")
+        return case, be, torch.compile(case.model, backend=be)
+
+    case, _, step = compiled("60%")
+    with pytest.raises(remat.InfeasibleBudgetError, match="smallest reachable peak of the step") as refused:
+        step(*case.args, **case.kwargs).loss.backward()
+    floor = refused.value.min_peak_bytes
+    case, be, step = compiled(floor)
+    step(*case.args, **case.kwargs).loss.backward()
+    case.model.zero_grad(set_to_none=True)  # the profiler cannot see frees before the step
+    measured = be.measure(lambda: step(*case.args, **case.kwargs).loss.backward(),
+                          register=(case.model, case.args, case.kwargs))
+    assert measured.peak_bytes <= floor

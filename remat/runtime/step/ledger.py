@@ -292,7 +292,7 @@ class StepLedger:
             menu = split.menu(problem, baseline_bytes=steps[0].baseline_peak_bytes, floor=floor,
                               solver=self.solver, options=self.solver_options,
                               planned=[(s.budget_bytes, s.plan) for s in steps])
-            menus[graph] = _under_inductor(menu, steps)
+            menus[graph] = _under_inductor(menu, steps, problem)
         return menus
 
     def planned_share(self, position: int, graph: int) -> split.Option | None:
@@ -380,17 +380,25 @@ class StepLedger:
         return sum(counted.values()), frozenset(with_grad)
 
 
-def _under_inductor(menu: tuple[split.Option, ...], steps: Sequence[Any]) -> tuple[split.Option, ...]:
+def _under_inductor(menu: tuple[split.Option, ...], steps: Sequence[Any], problem: Any) -> tuple[split.Option, ...]:
     """A graph's menu (op by op) as inductor runs it: the no-remat option at the no-remat
-    peak inductor's code holds, every other option raised by the largest margin its
-    compiled plans showed (`fusion_margin_bytes`; 0 off inductor). So a whole-step
-    percentage and the split's floors are of the same path that runs."""
-    margin = max(s.fusion_margin_bytes for s in steps)
+    peak inductor's code holds, the plans compiled at the peaks estimated for them under
+    inductor, and every other option raised by the largest margin the compiled plans
+    showed (`fusion_margin_bytes`; 0 off inductor), never lowered: where inductor's code
+    holds less than remat's model on the plans compiled, that room belongs to those plans
+    (MLP tiny: -114,432 B on its floor plan under inductor, which would put its op-by-op
+    floor at 650,072 B, below any plan inductor runs). So a whole-step percentage and the
+    split's floors are of the same path that runs, and the floor named is reachable."""
+    margin = max(0, *(s.fusion_margin_bytes for s in steps))
     baseline, no_remat = steps[0].baseline_peak_bytes, steps[0].no_remat_peak_bytes
-    if not margin and no_remat == baseline:
+    if not any(s.fusion_margin_bytes for s in steps) and no_remat == baseline:
         return menu
-    return tuple(dataclasses.replace(o, peak_bytes=no_remat if o.cost_s == 0 and o.peak_bytes == baseline
-                                     else o.peak_bytes + margin) for o in menu)
+    raised = [dataclasses.replace(o, peak_bytes=no_remat if o.cost_s == 0 and o.peak_bytes == baseline
+                                  else o.peak_bytes + margin) for o in menu]
+    compiled = [split.Option(budget_bytes=s.budget_bytes, peak_bytes=s.evaluation.peak_bytes + s.fusion_margin_bytes,
+                             boundary_bytes=split.boundary_bytes(problem, s.plan), cost_s=s.evaluation.cost_s)
+                for s in steps if s.fusion_graph_bytes]  # estimated under inductor
+    return split.frontier(raised + compiled)
 
 
 def _tensors(outputs: Any) -> list[torch.Tensor]:

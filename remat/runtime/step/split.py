@@ -80,8 +80,13 @@ def menu(problem: Problem, *, baseline_bytes: int, floor: Plan, solver: str,
         plan = solve(problem.with_budget(budget), solver, **options)
         if plan.status is not Status.INFEASIBLE:
             found.append(_option(problem, plan, budget))
+    return frontier(found)
+
+
+def frontier(options: Sequence[Option]) -> tuple[Option, ...]:
+    """`options` ascending by peak, each strictly cheaper than the one before."""
     out: list[Option] = []
-    for option in sorted(found, key=lambda o: (o.peak_bytes, o.cost_s)):
+    for option in sorted(options, key=lambda o: (o.peak_bytes, o.cost_s)):
         if not out or option.cost_s < out[-1].cost_s:
             out.append(option)
     return tuple(out)
