@@ -23,9 +23,10 @@ recompute from it. The plan's decisions are over the same ids as the plain probl
 and stay valid there: every reader reads at least what it read before. The prediction
 is not this model's: the closed loop estimates the generated code against the plain
 graph run op by op (`remat.runtime.inductor.estimate`). This model only steers the
-solver, and it is one of the plans the closed loop tries at the floor
-(`remat.runtime.inductor.closed_loop`): on LLaMA tiny it peaks lowest under inductor,
-on GPT-2 and BERT the plain model does.
+solver, and the closed loop tries it at the floor (`remat.runtime.inductor.closed_loop`),
+over the plans that recompute each value once and over all plans: on LLaMA tiny the
+first peaks lowest under inductor, on ViT tiny the second, on GPT-2 and BERT the plain
+model does.
 """
 
 from __future__ import annotations

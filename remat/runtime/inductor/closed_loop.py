@@ -8,7 +8,7 @@ it when it costs less and its own prediction fits. The step records the margin i
 with; the prediction is remat's peak plus it (`estimate.inductor_peak_bytes`). Where no
 plan tried fits, the smallest reachable peak is the lowest under inductor of remat's
 floor, the plan at the no-remat peak, the floor of the plans that recompute each value
-once, and that floor solved as inductor's lowering inlines pointwise values
+once, and both floors solved as inductor's lowering inlines pointwise values
 (`remat.planning.inlining`): each is lowest on some model.
 
 A percentage is of the no-remat peak of the path that runs: inductor's, remat's plan that
@@ -48,9 +48,9 @@ def _refusal(budget_bytes: int, peak_bytes: int, margin: int) -> Exception:
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} does not hold under inductor: the smallest "
         f"reachable peak found is {format_bytes(need)}, by the plan that peaks lowest under "
-        f"inductor of those tried (down to remat's floor, the floor of the plans that recompute each "
-        f"value once, op by op and as inductor inlines pointwise values, and the plan at the no-remat "
-        f"peak): "
+        f"inductor of those tried (down to remat's floor and the floor of the plans that recompute each "
+        f"value once, each op by op and as inductor inlines pointwise values, and the plan at the "
+        f"no-remat peak): "
         f"{format_bytes(peak_bytes)} op by op, {margin:+,} B from inductor's kernels (generated "
         f"code vs op by op); raise the budget to at least {need} bytes, or use "
         "compiler='eager' (op by op, no fusion)", budget_bytes=budget_bytes, min_peak_bytes=need)
@@ -182,7 +182,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
 
     no_remat = None  # the plan that saves everything, once estimated
     canonical = None  # (the floor without schedules, its bytes), once estimated
-    inlined = None  # the same, planned as inductor's lowering inlines (`remat.planning.inlining`)
+    inlined: dict[str, _Tried] | None = None  # floors planned as inductor's lowering inlines
     if is_percentage(partitioner.budget):
         no_remat = _of_inductors_peak(partitioner, plan)
     try:
@@ -209,16 +209,17 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # it, than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
             # floor, 1,267,576 B at 100%), where it recomputes a value twice, than the
             # floor of plans that recompute each value once (LLaMA tiny: inductor's code
-            # holds more beside the copies), or than that floor planned as inductor's
-            # lowering inlines pointwise values (LLaMA tiny: 2,338,728 B against
-            # 2,494,504 B; GPT-2 tiny peaks lower planned op by op)
+            # holds more beside the copies), or than either floor planned as inductor's
+            # lowering inlines pointwise values (LLaMA tiny, each value recomputed once:
+            # 2,338,728 B against 2,494,504 B; ViT tiny, with schedules: 1,289,496 B
+            # against 1,345,624 B; GPT-2 tiny peaks lower planned op by op)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
                 canonical = _at_canonical_floor(partitioner, plan)
-            if inlined is None and not partitioner.settings.inline_pointwise:
-                inlined = _at_canonical_floor(partitioner, plan, inline_pointwise=True)
+            if inlined is None:
+                inlined = _inlined_floors(partitioner, plan)
             others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {}),
-                      **({"floor as inductor inlines": inlined[0]} if inlined else {})}
+                      **inlined}
             fitting = [name for name, found in others.items() if found.under_inductor <= budget_bytes]
             lowest = min(others, key=lambda name: others[name].under_inductor)  # cheapest first
             pick = (fitting[0] if fitting else
@@ -296,12 +297,28 @@ def _at_no_remat_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
     return plan()
 
 
-def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *,
-                        inline_pointwise: bool = False) -> tuple[_Tried, int]:
+def _inlined_floors(partitioner: Any, plan: Callable[[], _Tried]) -> dict[str, _Tried]:
+    """The floors solved as inductor's lowering inlines pointwise values
+    (`PlannerSettings.inline_pointwise`): of the plans that recompute each value once, and,
+    where the settings allow schedules, of all plans. Each is lowest on some model (LLaMA
+    tiny: the first; ViT tiny: the second). None where the partitioner already plans so."""
+    settings = partitioner.settings
+    if settings.inline_pointwise:
+        return {}
+    out = {"floor as inductor inlines": _at_canonical_floor(partitioner, plan, inline_pointwise=True)[0]}
+    if settings.schedules:
+        out["floor with schedules as inductor inlines"] = _at_canonical_floor(
+            partitioner, plan, inline_pointwise=True, schedules=True)[0]
+    return out
+
+
+def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_pointwise: bool = False,
+                        schedules: bool = False) -> tuple[_Tried, int]:
     """(the plan, its budget) at the floor of the plans that recompute each value at most
     once (`_canonical`), planned at that floor's bytes; `inline_pointwise`: solved as
-    inductor's lowering inlines pointwise values (`PlannerSettings.inline_pointwise`)."""
-    with _canonical(partitioner, inline_pointwise=inline_pointwise):
+    inductor's lowering inlines pointwise values (`PlannerSettings.inline_pointwise`);
+    `schedules`: of all plans, the settings' schedules included."""
+    with _canonical(partitioner, inline_pointwise=inline_pointwise, schedules=schedules):
         partitioner.budget = 1
         try:
             floor_bytes = plan().step.budget_bytes  # a graph that holds nothing
@@ -312,11 +329,11 @@ def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *,
 
 
 @contextlib.contextmanager
-def _canonical(partitioner: Any, *, inline_pointwise: bool = False) -> Iterator[None]:
-    """The partitioner plans without schedules that recompute a value twice (and as
-    inductor inlines, where asked), meanwhile."""
+def _canonical(partitioner: Any, *, inline_pointwise: bool = False, schedules: bool = False) -> Iterator[None]:
+    """The partitioner plans without schedules that recompute a value twice (unless
+    `schedules`) and as inductor inlines (where asked), meanwhile."""
     settings = partitioner.settings
-    partitioner.settings = dataclasses.replace(settings, schedules=False,
+    partitioner.settings = dataclasses.replace(settings, schedules=settings.schedules and schedules,
                                                inline_pointwise=settings.inline_pointwise or inline_pointwise)
     try:
         yield
