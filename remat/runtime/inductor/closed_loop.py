@@ -215,7 +215,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # against 1,345,624 B; GPT-2 tiny peaks lower planned op by op)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
-                canonical = _at_canonical_floor(partitioner, plan)
+                canonical = _at_floor(partitioner, plan)
             if inlined is None:
                 inlined = _inlined_floors(partitioner, plan)
             others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {}),
@@ -301,24 +301,24 @@ def _inlined_floors(partitioner: Any, plan: Callable[[], _Tried]) -> dict[str, _
     """The floors solved as inductor's lowering inlines pointwise values
     (`PlannerSettings.inline_pointwise`): of the plans that recompute each value once, and,
     where the settings allow schedules, of all plans. Each is lowest on some model (LLaMA
-    tiny: the first; ViT tiny: the second). None where the partitioner already plans so."""
+    tiny: the first; ViT tiny: the second). Empty where the partitioner already plans so."""
     settings = partitioner.settings
     if settings.inline_pointwise:
         return {}
-    out = {"floor as inductor inlines": _at_canonical_floor(partitioner, plan, inline_pointwise=True)[0]}
+    out = {"floor as inductor inlines": _at_floor(partitioner, plan, inline_pointwise=True)[0]}
     if settings.schedules:
-        out["floor with schedules as inductor inlines"] = _at_canonical_floor(
+        out["floor with schedules as inductor inlines"] = _at_floor(
             partitioner, plan, inline_pointwise=True, schedules=True)[0]
     return out
 
 
-def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_pointwise: bool = False,
-                        schedules: bool = False) -> tuple[_Tried, int]:
+def _at_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_pointwise: bool = False,
+              schedules: bool = False) -> tuple[_Tried, int]:
     """(the plan, its budget) at the floor of the plans that recompute each value at most
-    once (`_canonical`), planned at that floor's bytes; `inline_pointwise`: solved as
-    inductor's lowering inlines pointwise values (`PlannerSettings.inline_pointwise`);
-    `schedules`: of all plans, the settings' schedules included."""
-    with _canonical(partitioner, inline_pointwise=inline_pointwise, schedules=schedules):
+    once, or with `schedules` of all plans the settings allow (`_planning_as`), planned
+    at that floor's bytes; `inline_pointwise`: solved as inductor's lowering inlines
+    pointwise values (`PlannerSettings.inline_pointwise`)."""
+    with _planning_as(partitioner, inline_pointwise=inline_pointwise, schedules=schedules):
         partitioner.budget = 1
         try:
             floor_bytes = plan().step.budget_bytes  # a graph that holds nothing
@@ -329,7 +329,7 @@ def _at_canonical_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_
 
 
 @contextlib.contextmanager
-def _canonical(partitioner: Any, *, inline_pointwise: bool = False, schedules: bool = False) -> Iterator[None]:
+def _planning_as(partitioner: Any, *, inline_pointwise: bool = False, schedules: bool = False) -> Iterator[None]:
     """The partitioner plans without schedules that recompute a value twice (unless
     `schedules`) and as inductor inlines (where asked), meanwhile."""
     settings = partitioner.settings
