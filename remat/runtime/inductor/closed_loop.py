@@ -206,13 +206,14 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             break
         if at_floor or replan >= MAX_REPLANS:
             # the floor op by op may peak higher under inductor than a plan tried before
-            # it, than the plan at the no-remat peak (ResNet tiny: 1,327,736 B at the
-            # floor, 1,267,576 B at 100%), where it recomputes a value twice, than the
-            # floor of plans that recompute each value once (LLaMA tiny: inductor's code
-            # holds more beside the copies), or than either floor planned as inductor's
-            # lowering inlines pointwise values (LLaMA tiny, each value recomputed once:
-            # 2,338,728 B against 2,494,504 B; ViT tiny, with schedules: 1,289,496 B
-            # against 1,345,624 B; GPT-2 tiny peaks lower planned op by op)
+            # it, than the plan at the no-remat peak (ResNet tiny, layout optimization
+            # on: 1,327,736 B at the floor, 1,267,576 B at 100%), where it recomputes a
+            # value twice, than the floor of plans that recompute each value once (LLaMA
+            # tiny: inductor's code holds more beside the copies), or than either floor
+            # planned as inductor's lowering inlines pointwise values (LLaMA tiny, each
+            # value recomputed once: 2,338,728 B against 2,494,504 B; ViT tiny, with
+            # schedules: 1,289,496 B against 1,345,624 B; GPT-2 tiny peaks lower planned
+            # op by op)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
                 canonical = _at_floor(partitioner, plan)
