@@ -14,14 +14,9 @@ from remat.compat import FakeTensor
 from remat.errors import InfeasibleBudgetError
 from remat.runtime import dropped
 from remat.runtime.step import split
-from remat.runtime.step.ledger import Call, Compile, StepLedger
+from remat.runtime.step.ledger import Call, Compile, StepLedger, predicted_peak
 
 Variant = tuple[Callable[..., Any], Any]  # (compiled callable, PlannedStep)
-
-
-def _peak(step: Any) -> int:
-    """A plan's predicted peak, with what inductor's fusion adds to it."""
-    return step.evaluation.peak_bytes + getattr(step, "fusion_margin_bytes", 0)
 
 
 class LedgeredGraph:
@@ -70,7 +65,7 @@ class LedgeredGraph:
         held = self.ledger.record(out)
         boundary = self._boundary(step)
         self.ledger.add(Call(graph=self.graph, outside_bytes=outside, pending=seen.pending, share_bytes=share,
-                             peak_bytes=_peak(step), baseline_bytes=step.no_remat_peak_bytes,
+                             peak_bytes=predicted_peak(step), baseline_bytes=step.no_remat_peak_bytes,
                              held_bytes=held, boundary_bytes=boundary,
                              no_remat_gap_bytes=max(0, self._no_remat_boundary(step) - boundary),
                              params=seen.params, with_grad=seen.with_grad, counted=seen.counted))
@@ -91,9 +86,9 @@ class LedgeredGraph:
             fits = self._fitting(share)
             if fits is not None:
                 return fits, share
-            floors = [v for v in self.variants if _peak(v[1]) > v[1].budget_bytes]
+            floors = [v for v in self.variants if predicted_peak(v[1]) > v[1].budget_bytes]
             if floors:  # already at its floor: no plan of this graph peaks lower
-                return min(floors, key=lambda v: _peak(v[1])), share
+                return min(floors, key=lambda v: predicted_peak(v[1])), share
             return self._plan(args, self._learning(outside, pending), strict=False), share
         if ledger.shares is None:
             raise ledger.refusal()
@@ -102,11 +97,11 @@ class LedgeredGraph:
         if option is not None:
             # a plan it has that peaks and holds no more than the option does keeps every
             # call of the split under the budget too, without a compile
-            planned = [v for v in self.variants if _peak(v[1]) <= option.peak_bytes
+            planned = [v for v in self.variants if predicted_peak(v[1]) <= option.peak_bytes
                        and self._boundary(v[1]) <= option.boundary_bytes]
             variant = (min(planned, key=lambda v: v[1].evaluation.cost_s) if planned else
                        self._plan(args, lambda _: option.budget_bytes, strict=True, outside=outside))
-            if _peak(variant[1]) <= limit:
+            if predicted_peak(variant[1]) <= limit:
                 return variant, option.budget_bytes
         # more is held outside than the split predicted (or a call the first step did not
         # make): a plan that fits what is measured, or a refusal
@@ -116,8 +111,8 @@ class LedgeredGraph:
         return self._plan(args, lambda _: max(1, limit), strict=True, outside=outside), limit
 
     def _fitting(self, share: int) -> Variant | None:
-        fits = [v for v in self.variants if _peak(v[1]) <= share]
-        return min(fits, key=lambda v: (v[1].evaluation.cost_s, -_peak(v[1]))) if fits else None
+        fits = [v for v in self.variants if predicted_peak(v[1]) <= share]
+        return min(fits, key=lambda v: (v[1].evaluation.cost_s, -predicted_peak(v[1]))) if fits else None
 
     def _learning(self, outside: int, pending: tuple[int, ...]) -> Callable[[int], int]:
         return lambda baseline: max(1, self.ledger.learning_share(outside, pending, baseline))

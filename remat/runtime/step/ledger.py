@@ -380,6 +380,11 @@ class StepLedger:
         return sum(counted.values()), frozenset(with_grad)
 
 
+def predicted_peak(step: Any) -> int:
+    """A plan's predicted peak, with what inductor's fusion adds to it."""
+    return step.evaluation.peak_bytes + getattr(step, "fusion_margin_bytes", 0)
+
+
 def _under_inductor(menu: tuple[split.Option, ...], steps: Sequence[Any], problem: Any) -> tuple[split.Option, ...]:
     """A graph's menu (op by op) as inductor runs it: the no-remat option at the no-remat
     peak inductor's code holds, the plans compiled at the peaks estimated for them under
@@ -395,7 +400,7 @@ def _under_inductor(menu: tuple[split.Option, ...], steps: Sequence[Any], proble
         return menu
     raised = [dataclasses.replace(o, peak_bytes=no_remat if o.cost_s == 0 and o.peak_bytes == baseline
                                   else o.peak_bytes + margin) for o in menu]
-    compiled = [split.Option(budget_bytes=s.budget_bytes, peak_bytes=s.evaluation.peak_bytes + s.fusion_margin_bytes,
+    compiled = [split.Option(budget_bytes=s.budget_bytes, peak_bytes=predicted_peak(s),
                              boundary_bytes=split.boundary_bytes(problem, s.plan), cost_s=s.evaluation.cost_s)
                 for s in steps if s.fusion_graph_bytes]  # estimated under inductor
     return split.frontier(raised + compiled)
