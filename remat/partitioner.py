@@ -24,7 +24,7 @@ from remat.offload.costing import offload_floor_bytes, offload_hint, with_offloa
 from remat.planning import distributed
 from remat.planning.floor import at_the_floor, lowest_found, refused_without_solving, solve_with_floor
 from remat.planning.fused_recompute import prefer_fused_recompute
-from remat.planning.inlining import inlined_problem
+from remat.planning.inlining import at_their_readers, inlined_ids, inlined_problem
 from remat.planning.settings import PlannerSettings
 from remat.runtime.rewrite import partition
 from remat_solvers import Decision, Evaluation, Plan, Problem, Status, decisions_all, simulate, solve
@@ -201,6 +201,8 @@ class Partitioner:
         # two saved tensors over one storage would let inductor's backward overwrite one
         # while the other is still to be read (solvers.shared_storage)
         plan = one_save_per_storage(solving.problem, plan)
+        if inlined is not None:  # a schedule's inlined ops run where inductor runs them
+            plan = at_their_readers(solving.problem, plan, inlined_ids(gp, joint))
         if plan.status is not Status.INFEASIBLE and not settings.custom_offload_ops:  # reloads early
             plan = prefetch(solving.problem, plan)
         if settings.sync_ranks or (settings.sync_ranks is None and distributed.world_size() > 1):

@@ -12,11 +12,13 @@ the backward reads, so a plan may keep it: it stays."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from remat.frontend.problem import build_problem
-from remat.planning.inlining import inlined_ids, inlined_problem
-from remat_solvers import Decision, Phase, decisions_all, simulate
+from remat.planning.inlining import at_their_readers, inlined_ids, inlined_problem
+from remat_solvers import Decision, Node, Phase, Plan, Problem, Status, decisions_all, evaluate, simulate
 
 
 def _log_softmax_joint():
@@ -83,3 +85,41 @@ def test_an_inlined_value_holds_no_bytes_and_its_inputs_live_until_its_reader():
     (exp,) = [i for i in inlined if gp.value_name[i].startswith("exp")]
     (product,) = [gp.value_name[j] for j in users[exp]]
     assert live[1][product] == live[0][product] - gp.problem.nodes[exp].out_bytes
+
+
+def test_a_scheduled_inlined_op_runs_at_its_reader_and_reads_the_copy_planned_for_it():
+    """A hand-made inlined problem: `a` (100 B) is recomputed twice in the backward; `p`,
+    inlined into `q` (0 B), reads `a`, and so does `q` for it (`inlined_problem`). The
+    solver's schedule runs `p` on the first copy, then `h`, then `q` on a second copy:
+    but `p` runs inside `q`'s kernel, so that first copy would live across `h`. Moved to
+    just before `q`, `p` reads the second copy, and the first, left unread, is dropped.
+
+    id  name  phase  bytes  reads
+    0   x     input   10
+    1   a     fwd    100    x           (recomputed: compute 1.0)
+    2   d     fwd      4    a           (the loss, an output)
+    3   t     bwd      4    -           (its tangent)
+    4   p     bwd      0    t, a        (inlined into q)
+    5   h     bwd    100    t
+    6   q     bwd    100    p, h, a     (an output; `a` for p)
+    """
+    F, B = Phase.FORWARD, Phase.BACKWARD
+    problem = Problem(
+        nodes=(Node(name="x", inputs=(), out_bytes=10, phase=Phase.INPUT),
+               Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0),
+               Node(name="d", inputs=(1,), out_bytes=4, phase=F),
+               Node(name="t", inputs=(), out_bytes=4, phase=B),
+               Node(name="p", inputs=(3, 1), out_bytes=0, phase=B),
+               Node(name="h", inputs=(3,), out_bytes=100, phase=B),
+               Node(name="q", inputs=(4, 5, 1), out_bytes=100, phase=B)),
+        outputs=(2, 6), budget_bytes=10_000)
+    schedule = (3, 1, 4, 5, 1, 6)
+    ev = evaluate(problem, {1: Decision.RECOMPUTE}, schedule)
+    plan = Plan(decisions={1: Decision.RECOMPUTE}, status=Status.FEASIBLE, solver="hand", objective_s=ev.cost_s,
+                peak_bytes=ev.peak_bytes, schedule=schedule)
+    moved = at_their_readers(problem, plan, {4})
+    assert moved.schedule == (3, 5, 1, 4, 6)
+    assert moved.objective_s == 1.0 < plan.objective_s == 2.0  # one recompute of `a`, not two
+    assert moved.peak_bytes == evaluate(problem, moved.decisions, moved.schedule).peak_bytes <= plan.peak_bytes
+    assert at_their_readers(problem, moved, {4}) is moved  # nothing left to move
+    assert at_their_readers(problem, dataclasses.replace(plan, schedule=None), {4}).schedule is None
