@@ -24,11 +24,11 @@ and stay valid there: every reader reads at least what it read before. A schedul
 recomputes a value twice runs each inlined op just before its reader, where inductor
 runs it (`at_their_readers`), so it reads the copy the solver planned for the reader.
 The prediction is not this model's: the closed loop estimates the generated code
-against the plain graph run op by op (`remat.runtime.inductor.estimate`). This model only steers the
-solver, and the closed loop tries it at the floor (`remat.runtime.inductor.closed_loop`),
-over the plans that recompute each value once and over all plans: on LLaMA tiny the
-first peaks lowest under inductor, on ViT tiny the second, on GPT-2 and BERT the plain
-model does.
+against the plain graph run op by op (`remat.runtime.inductor.estimate`). This model
+only steers the solver, and the closed loop tries it at the floor
+(`remat.runtime.inductor.closed_loop`), over the plans that recompute each value once
+and over all plans: on LLaMA tiny the first peaks lowest under inductor, on ViT tiny the
+second, on GPT-2 and BERT the plain model does.
 """
 
 from __future__ import annotations
