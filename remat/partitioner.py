@@ -201,7 +201,7 @@ class Partitioner:
         # two saved tensors over one storage would let inductor's backward overwrite one
         # while the other is still to be read (solvers.shared_storage)
         plan = one_save_per_storage(solving.problem, plan)
-        if inlined is not None:  # a schedule's inlined ops run where inductor runs them
+        if inlined is not None and plan.schedule is not None:  # its inlined ops run where inductor runs them
             plan = at_their_readers(solving.problem, plan, inlined_ids(gp, joint))
         if plan.status is not Status.INFEASIBLE and not settings.custom_offload_ops:  # reloads early
             plan = prefetch(solving.problem, plan)
