@@ -18,7 +18,7 @@ no-remat peak differs from eager's, which moves the percentages apart by itself)
 "over" = measured - predicted: never positive is the promise. A refused budget prints the
 refusal's smallest reachable peak. LLaMA reads 32 B over: transformers keeps
 `original_inv_freq`, a rotary buffer no graph reads, which this bench registers and remat
-cannot see (tests/runtime/test_inductor_saved_views.py registers what the graphs take).
+cannot see (tests/runtime/inductor/test_inductor_saved_views.py registers what the graphs take).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ where the code holds less); the backend replans with it (`closed_loop.plan_under
 and predicts remat's peak plus it. A saved value's storage is the one the forward's
 code returns it in (`output_storages`), which is not always the FX graph's.
 
-On the Gated test model at its floor (tests/runtime/test_inductor_budget.py) the prediction
+On the Gated test model at its floor (tests/runtime/inductor/test_inductor_budget.py) the prediction
 equals the profiler's measurement. Inductor's own estimator (before vs after fusion,
 `torch._inductor.memory`, kept in the summary) is not the margin: it frees nothing in
 place and sees nothing of lowering's inlining (with fusion off entirely the step peaks
@@ -318,7 +318,7 @@ def inductor_peak_bytes(evaluation: Any, generated: Sequence[GraphBytes]) -> int
     every input of the ops it covers; its buffer reuse gives some back); remat's peak over
     its steps is at least those outside bytes plus the graph's op-by-op peak, so each term
     bounds that graph's real peak. Adding the largest excess to the step's peak instead
-    over-counts when the graphs peak apart (tests/runtime/test_inductor_margin.py)."""
+    over-counts when the graphs peak apart (tests/runtime/inductor/test_inductor_margin.py)."""
     excess = {g.graph: g.excess_bytes for g in generated}
     peaks = {"forward": 0, "backward": 0}
     for step, live in zip(evaluation.steps, evaluation.timeline):
