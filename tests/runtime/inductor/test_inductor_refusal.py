@@ -1,11 +1,11 @@
 """A refusal under inductor names a peak that plans, and no higher than the plan at the
 graph's no-remat peak (100%): under inductor remat's floor op by op may peak higher than
 a lighter plan (its recomputes keep more alive in fused kernels). ResNet tiny at 60% of
-its no-remat peak op by op (a byte budget; a percentage is of inductor's): its floor
-plan peaks at 1,327,736 B under inductor (1,031,736 B op by op, +296,000 B from the
-kernels), the plan at 100% at 1,267,576 B (measured 1,260,408 B), and the refusal names
-at most that (1,126,456 B, with the backward estimated on the forward's strides). One
-intra-op thread, as the benches plan and measure; the second test takes two."""
+its no-remat peak op by op (a byte budget; a percentage is of inductor's): the plan at
+100% predicts 1,267,576 B; the refusal names 925,144 B, remat's floor plan (1,031,736 B
+op by op) compiled with `layout_optimization` off, where the kernels hold 106,592 B less
+than the graph op by op, and the step planned at that budget measures it. One intra-op thread, as the benches plan and measure; the second test
+takes two."""
 
 import contextlib
 import gc
