@@ -4,8 +4,8 @@ a lighter plan (its recomputes keep more alive in fused kernels). ResNet tiny at
 its no-remat peak op by op (a byte budget; a percentage is of inductor's): the plan at
 100% predicts 1,267,576 B; the refusal names 925,144 B, remat's floor plan (1,031,736 B
 op by op) compiled with `layout_optimization` off, where the kernels hold 106,592 B less
-than the graph op by op, and the step planned at that budget measures it. One intra-op thread, as the benches plan and measure; the second test
-takes two."""
+than the graph op by op, and the step planned at that budget measures it. One intra-op
+thread, as the benches plan and measure; the second test takes two."""
 
 import contextlib
 import gc
