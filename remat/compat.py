@@ -13,7 +13,7 @@ a `RematError` naming the feature and the torch it needs (a random op's `generat
 | `custom_graph_pass.CustomSchedulerPass` (inductor's pre/post-fusion passes) | absent | present | the passes subclass `CustomGraphPass`, which 2.11's scheduler calls and its cache keys alike (`scheduler_pass_base`) |
 | `symbolic_shapes.optimization_hint` | absent | present | `symbolic_shapes.size_hint`, the same hint (`optimization_hint`) |
 | an FSDP2 state's parameter groups | `_fsdp_param_group` (one or None) | `_fsdp_param_groups` (a list) | `fsdp_param_groups` reads either |
-| AOTAutograd's backward takes its gradients in a list it clears (`CompiledFunction.boxed_grads_call`) | no: autograd holds every tangent to the backward's end | yes: a tangent dies after its last use | the problem holds every tangent to the end (`releases_tangents`) |
+| AOTAutograd's backward takes its gradients in a list it clears (`CompiledFunction.boxed_grads_call`) | no: autograd holds every tangent to the backward's end | yes: a tangent dies after its last use | the problem holds every tangent to the end, and inductor's estimate counts tangents as held outside the graph (`releases_tangents`) |
 | a random op's `generator=` argument traced by AOTAutograd | NotImplementedError | traced (2.13, 2.14) | `TraceError` naming the argument (`traces_generators`) |
 
 Every private torch name the rest of remat uses is one of this module's names (a test

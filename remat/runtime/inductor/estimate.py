@@ -35,6 +35,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from remat import compat
 from remat.frontend.problem import is_loss_seed
 from remat.frontend.profile import storage_bytes, storage_key
 from remat.runtime.inductor.fusion import FusionEstimate, fusion_passes
@@ -57,7 +58,9 @@ accountings below leave them out, and the loss's seed (a tangent of one element,
 `backward()`'s caller holds); saved activations and every other tangent count from the
 start until their last use (AOTAutograd's backward clears its list of tangents:
 `remat.frontend.problem._released_tangents`), so the bytes outside a graph do not change
-while it runs."""
+while it runs. Where the backward cannot free a tangent (`compat.releases_tangents`
+false: autograd holds it until the backward returns, and remat's step model holds it to
+the backward's end), the tangents are left out too (`uncounted_inputs`)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,10 +103,13 @@ def input_views(gm: fx.GraphModule) -> frozenset[str]:
 
 def uncounted_inputs(gm: fx.GraphModule, views: frozenset[str] = frozenset()) -> frozenset[str]:
     """Inputs both accountings leave out: `NOT_COUNTED_INPUTS`, the loss's seed (a tangent
-    of at most one element), and `views` (see `input_views`: their storage is a
-    parameter's, which the graph never frees)."""
+    of at most one element), every tangent where the backward cannot free one
+    (`compat.releases_tangents`; torch 2.11: the generated code's `del` of a dropped
+    output's zero tangent frees nothing), and `views` (see `input_views`: their storage
+    is a parameter's, which the graph never frees)."""
+    held = NOT_COUNTED_INPUTS if compat.releases_tangents() else (*NOT_COUNTED_INPUTS, "tangents")
     return frozenset(n.name for n in gm.graph.nodes if n.op == "placeholder"
-                     and (n.name.startswith(NOT_COUNTED_INPUTS) or is_loss_seed(n) or n.name in views))
+                     and (n.name.startswith(held) or is_loss_seed(n) or n.name in views))
 
 
 def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
