@@ -119,24 +119,39 @@ def op_by_op_bytes(gm: fx.GraphModule, uncounted: frozenset[str] = frozenset(),
     bytes, `graph_workspace`) is live while its node runs, as `remat_solvers.simulate` counts it."""
     nodes = list(gm.graph.nodes)
     tensors = {n: [t for t in tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)] for n in nodes}
-    # one span per allocation: a value recomputed twice (remat/runtime/schedule.py) has
-    # two copies whose example values are one tensor, so a storage seen again from a node
-    # reading none of it is a new allocation, and a read binds to the newest one
+    # one span per allocation, and each node bound to the spans of its own storages: a
+    # recomputed copy (remat/runtime/rewrite.py) has the example value of the node it
+    # copies, so a storage seen again from a node reading none of it is a new allocation
+    # (a value recomputed twice, or an attention recomputed beside the log-sum-exp saved
+    # from the forward), and a read extends the span of the node it reads, not the
+    # newest span on that storage
     spans: list[list[Any]] = []  # [bytes, first, last, counted, output]
     newest: dict[int, list[Any]] = {}  # storage -> its newest span
+    bound: dict[fx.Node, dict[int, list[Any]]] = {}  # node -> its storages' spans
     for i, n in enumerate(nodes):
-        read = {storage_key(t) for used in n.all_input_nodes for t in tensors[used]}
+        read: dict[int, list[list[Any]]] = {}
+        for used in n.all_input_nodes:
+            for key, span in bound[used].items():
+                read.setdefault(key, []).append(span)
+        own = bound[n] = {}
         for t in tensors[n]:
             key = storage_key(t)
-            if key not in newest or (n.op == "call_function" and key not in read and newest[key][2] < i):
-                newest[key] = [storage_bytes(t), 0 if n.op == "placeholder" else i, i, n.name not in uncounted,
-                               False]
-                spans.append(newest[key])
-        for key in read:
-            if n.op == "output":
-                newest[key][4] = True
-            else:
-                newest[key][2] = i
+            if key in own:
+                continue
+            if key in read:  # a view of what it reads, or an op writing in place
+                own[key] = read[key][0]
+            elif key not in newest or n.op == "call_function":
+                newest[key] = own[key] = [storage_bytes(t), 0 if n.op == "placeholder" else i, i,
+                                          n.name not in uncounted, False]
+                spans.append(own[key])
+            else:  # an input sharing another input's storage
+                own[key] = newest[key]
+        for key_spans in read.values():
+            for span in key_spans:
+                if n.op == "output":
+                    span[4] = True
+                else:
+                    span[2] = i
     delta = [0] * (len(nodes) + 1)
     for nbytes, first, last, counted, output in spans:
         if counted:
