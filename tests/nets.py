@@ -133,6 +133,28 @@ def train_zoo_model_through_the_backend(name: str, plan: str) -> None:
         assert any(step.evaluation.recomputed_ids for step in be.steps)
 
 
+def compiled_zoo_step(name: str, budget: int | str) -> tuple:
+    """Zoo model `name` (tiny) compiled through `remat.backend(budget, outputs="loss")`,
+    its first step run: (the case, the backend, the step). A no-grad call first settles
+    what transformers sets on its first call (`config.problem_type`), so the second step
+    does not recompile."""
+    import remat
+    from remat.testing import zoo
+
+    torch._dynamo.reset()
+    case = zoo.build(name, size="tiny")
+    with torch.no_grad():
+        case.model(*case.args, **case.kwargs)
+    be = remat.backend(budget=budget, outputs="loss")
+    fn = torch.compile(case.model, backend=be)
+
+    def step():
+        fn(*case.args, **case.kwargs).loss.backward()
+
+    step()
+    return case, be, step
+
+
 def zoo_step_through_the_backend(name: str, budget: str = "100%") -> tuple:
     """Zoo model `name` (tiny) compiled through `remat.backend(budget, outputs="loss")`,
     one step run, then one measured by the profiler with what the step takes registered:
