@@ -212,7 +212,7 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # tiny: inductor's code holds more beside the copies), or than either floor
             # planned as inductor's lowering inlines pointwise values (LLaMA tiny, each
             # value recomputed once: 2,338,728 B against 2,494,504 B; ViT tiny, with
-            # schedules: 1,289,496 B against 1,345,624 B; GPT-2 tiny peaks lower planned
+            # schedules: 1,280,792 B against 1,341,272 B; GPT-2 tiny peaks lower planned
             # op by op)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
