@@ -112,6 +112,10 @@ class Prepared:
     predicted_peak_bytes: int | None = None
     baseline_peak_bytes: int | None = None
     """remat's predicted no-remat peak (where its budget sweep starts)."""
+    no_remat_peak_bytes: int | None = None
+    """Through `remat.backend` with inductor at a percentage: the no-remat peak of the path
+    that runs, which the percentage is of (`PlannedStep.no_remat_peak_bytes`: the plan that
+    saves everything, as inductor generates it)."""
     recompute_s: float | None = None
     """What the recomputation costs under `COST_MODEL` (see `Row.recompute_ms`)."""
     saving_s: float | None = None

@@ -98,7 +98,8 @@ def prepare_remat_inductor(case: zoo.ModelCase, budget: int | str, *, reset: boo
     (planned,) = be.steps
     return compare.Prepared(case=case, step=step, plan_s=compile_s,
                             predicted_peak_bytes=planned.evaluation.peak_bytes + planned.fusion_margin_bytes,
-                            baseline_peak_bytes=planned.baseline_peak_bytes)
+                            baseline_peak_bytes=planned.baseline_peak_bytes,
+                            no_remat_peak_bytes=planned.no_remat_peak_bytes)
 
 
 def measure_compiled(p: compare.Prepared, ref: compare.Reference, *, model: str, method: str,
