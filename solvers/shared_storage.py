@@ -60,7 +60,7 @@ def read_in_backward(problem: Problem, steps: Sequence[Step]) -> set[int]:
 def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
     """`plan` with every storage that two saved values share saved once, as the value that
     owns it, and every saved view in it recomputed (just before its first reader in an
-    explicit schedule). Returns `plan` itself when no storage is shared, or when a view in
+    explicit schedule, from which the owner's own recomputes leave: it is saved now). Returns `plan` itself when no storage is shared, or when a view in
     one reads another forward value (recomputing it would hold that value too; ATen's
     views read only their base): the rewrite then refuses the plan (`shared_saves`)."""
     groups = shared_saves(problem, plan)
@@ -73,7 +73,10 @@ def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
         decisions[root] = Decision.SAVE
     for i in views:
         decisions[i] = Decision.RECOMPUTE
-    schedule = None if plan.schedule is None else _with_recomputes(problem, plan.schedule, views)
+    schedule = None
+    if plan.schedule is not None:  # a root saved now is read from its save, never recomputed
+        kept = [j for j in plan.schedule if j not in groups]
+        schedule = _with_recomputes(problem, kept, views)
     # judged against the plan's own peak: a plan may be run above the problem's budget
     # (the ledger's first step runs the lowest peak found), and this one peaks no higher
     out = finish(problem.with_budget(plan.peak_bytes), decisions, plan.solver, started_s=0.0,

@@ -61,6 +61,37 @@ def test_an_explicit_schedule_recomputes_the_view_just_before_its_first_reader()
     assert out.peak_bytes == plan.peak_bytes
 
 
+def test_a_scheduled_owner_of_two_saved_views_is_saved_and_leaves_the_schedule():
+    """x -> a -> v1, v2 (views of a) -> loss; the backward reads v1, v2, then a. A
+    schedule that saves both views and recomputes a before its reader: a is saved instead
+    and its recompute leaves the schedule (a saved value in a schedule is no plan), each
+    view recomputed just before its reader (a random composition's attention, planned at
+    its floor, met that schedule)."""
+    problem = Problem(
+        nodes=(
+            Node(name="x", inputs=(), out_bytes=10, phase=I),
+            Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0),
+            Node(name="v1", inputs=(1,), out_bytes=100, phase=F, alias_of=1),
+            Node(name="v2", inputs=(1,), out_bytes=100, phase=F, alias_of=1),
+            Node(name="loss", inputs=(2, 3), out_bytes=4, phase=F, compute_s=1.0),
+            Node(name="t", inputs=(), out_bytes=4, phase=B),
+            Node(name="g1", inputs=(5, 2), out_bytes=100, phase=B, compute_s=1.0),
+            Node(name="g2", inputs=(6, 3), out_bytes=100, phase=B, compute_s=1.0),
+            Node(name="g3", inputs=(7, 1), out_bytes=100, phase=B, compute_s=1.0),
+        ),
+        outputs=(8,),
+        budget_bytes=10_000,
+    )
+    plan = finish(problem, {1: R, 2: S, 3: S}, "hand", started_s=0.0, schedule=(5, 6, 7, 1, 8))
+    assert shared_saves(problem, plan) == {1: [2, 3]}
+    out = one_save_per_storage(problem, plan)
+    assert out.decisions == {1: S, 2: R, 3: R}
+    assert out.schedule == (5, 2, 6, 3, 7, 8)
+    assert shared_saves(problem, out) == {}
+    assert out.peak_bytes <= plan.peak_bytes
+    assert out.objective_s < plan.objective_s  # a is no longer recomputed
+
+
 def test_a_plan_without_shared_storage_is_returned_as_it_is():
     problem = _value_and_view()
     plan = finish(problem, {1: S, 2: R}, "hand", started_s=0.0)
