@@ -98,6 +98,13 @@ class ILPOptions(Options):
     """Largest share of the time limit the warm start may use."""
     max_cuts: int = 1000
     """Most no-good cuts (solutions that simulate rejects) before stopping."""
+    least_peak_stall: int = 8
+    """When no plan fits: the smallest-peak search stops after this many model solutions
+    in a row that do not lower the simulated peak. Each such solution is one plan the
+    min-peak model under-counts (its peak lies inside a recomputation run), forbidden by
+    a no-good that excludes that plan alone, so without it the loop enumerates plans of
+    equal peak until the time limit (`bench/floor_search.py`, bench/README.md "The floor
+    search": the last lower peak comes within the first few solutions)."""
     rows_share: float = 0.8
     """Share of the time left after the warm start given to row generation (the lower
     bound; on transformer joint graphs what proves a plan optimal); 0 skips it. 0.8
@@ -235,14 +242,18 @@ def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: 
     is exact at node steps only, so its peak is a lower bound on simulate's (a peak
     inside a recomputation run can be higher). Loop: ask for a model peak below the best
     simulated peak so far, simulate the answer, keep it if smaller, forbid it; an
-    infeasible model proves the best one smallest."""
+    infeasible model proves the best one smallest. `least_peak_stall` solutions in a row
+    that lower nothing end it too (no proof then)."""
     best, best_ev = smallest, _simulate(problem, smallest, clock)
     if not cost.charge_build(problem, clock, clock.left_s, at_least_s=MIN_PEAK_SEARCH_S):
         return best  # the limit cannot pay for the model
     model = CanonicalModel(problem, min_peak=True)
     cost.hint(model, smallest, clock)
+    stalled = 0
     for _ in range(opts.max_cuts + 1):
         if clock.left_s < MIN_PEAK_SEARCH_S or not cost.affords_call(model, clock, clock.left_s):
+            break
+        if stalled >= opts.least_peak_stall:
             break
         model.model.add(model.peak <= best_ev.peak_bytes - 1)
         solver = _solver(opts, clock.left_s * cost.det_per_s(model), len(problem.decision_ids))
@@ -250,8 +261,10 @@ def _least_peak(problem: Problem, opts: ILPOptions, clock: WorkClock, smallest: 
             break  # INFEASIBLE: no plan peaks lower (or time is up)
         found = model.decisions_of(solver)
         ev = _simulate(problem, found, clock)
+        lower = ev is not None and ev.peak_bytes < best_ev.peak_bytes
         if ev is not None and (ev.peak_bytes, ev.cost_s) < (best_ev.peak_bytes, best_ev.cost_s):
             best, best_ev = found, ev
+        stalled = 0 if lower else stalled + 1
         model.forbid(found)
     return best
 
