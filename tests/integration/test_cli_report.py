@@ -289,7 +289,11 @@ def test_offload_on_reaches_below_the_recompute_floor_and_reports_it(user_file, 
     assert cli.main(argv) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     offloaded = [r for r in data["decisions"] if r["decision"] == "offload"]
-    assert offloaded and data["predicted_peak_bytes"] <= budget and data["offload_s"] > 0
+    assert offloaded and data["predicted_peak_bytes"] <= budget
+    # the transfers take time; how much of it overlapping compute hides depends on this
+    # machine's measured FLOP/s against its bandwidth (the roofline), so only its bound
+    assert data["transfer_s"] > 0 and 0 <= data["offload_s"] <= data["transfer_s"]
+    assert data["offloaded_bytes"] == sum(r["bytes"] for r in offloaded)
     assert data["breakdown"]["activations_offloaded_bytes"] == sum(r["bytes"] for r in offloaded)
     pareto = data["pareto"]
     assert all(b["extra_time_s"] <= a["extra_time_s"] for a, b in zip(pareto, pareto[1:]))
