@@ -6,7 +6,7 @@ inductor runs the lowest plan found instead of being refused with its share as t
 budget (FSDP2 through the backend met "budget 1 B does not hold under inductor" so);
 the whole step is refused, or planned, when the first step ends.
 
-The model: a random block composition of `test_backend_gradients.py` with a graph break
+The model: a random block composition (`remat.testing.compositions`) with a graph break
 after its first block (two graphs). At 85% of its no-remat step peak, the first graph's
 learning share (85% of what it has seen) is below its floor under inductor."""
 
@@ -18,7 +18,7 @@ from torch import nn
 
 import remat
 from nets import assert_gradients_match
-from test_backend_gradients import composition
+from remat.testing.compositions import composition
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
