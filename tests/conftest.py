@@ -61,9 +61,9 @@ besides the whole suite on the pinned one."""
 
 SLOWEST_FILES = (
     "test_backend_gradients_zoo_transformers.py", "test_inductor_refusal.py", "test_distributed.py",
-    "test_backend_gradients_zoo.py", "test_inductor_layout.py", "test_inductor_percentages.py", "test_ilp.py",
-    "test_models.py", "test_backend_gradients.py", "test_inductor_inlined_floor.py", "test_inductor_saved_views.py",
-    "test_random_signatures.py", "test_dp.py",
+    "test_backend_gradients_zoo.py", "test_inductor_layout.py", "test_compositions.py",
+    "test_inductor_percentages.py", "test_ilp.py", "test_models.py", "test_backend_gradients.py",
+    "test_inductor_inlined_floor.py", "test_inductor_saved_views.py", "test_random_signatures.py", "test_dp.py",
 )
 """The test files that take longest (`--durations`, 2 workers), run first: with
 `--dist loadfile` each worker takes one file at a time in this order
