@@ -4,9 +4,10 @@
 attention through SDPA or ``nn.MultiheadAttention``; LayerNorm, RMSNorm or none; the
 norm before the branch, after the sum, or shared by both) and returns the model with
 its input. `Kinds` says what may be drawn: `BACKEND` is what the inductor gradient guard
-draws, `EAGER` adds what only an exact runtime can compare bit for bit (dropout,
-attention dropout, stochastic depth as timm writes it, token embeddings with a tied or
-untied head and a cross-entropy loss). The same seed and kinds give the same model,
+draws, `EAGER` adds `nn.MultiheadAttention`, blocks without a norm, token embeddings with a
+tied or untied head and a cross-entropy loss, and what only an exact runtime can compare
+bit for bit (dropout, attention dropout, stochastic depth as timm writes it); `WIDE` is
+`EAGER` without the random ops, the loss inside or outside. The same seed and kinds give the same model,
 input and parameters in any process.
 """
 
@@ -48,6 +49,9 @@ BACKEND = Kinds()
 EAGER = Kinds(mixers=("mlp", "gated", "attention", "mha"), norms=("layernorm", "rmsnorm", "none"),
               depths=(1, 2, 3, 4), random_ops=True, embedding=True, loss_inside=True)
 """The eager runtime's draw: everything, the loss inside (`remat.plan` needs it)."""
+WIDE = dataclasses.replace(EAGER, depths=(1, 2, 3), random_ops=False, loss_inside=None)
+"""Every block kind and head without random ops, the loss inside or outside: what the
+backend guard draws besides `BACKEND`."""
 
 
 class RMSNorm(nn.Module):

@@ -19,7 +19,7 @@ import torch
 
 import remat
 from nets import PLANS, assert_gradients_match
-from remat.testing.compositions import composition
+from remat.testing.compositions import BACKEND, WIDE, composition, describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -30,14 +30,24 @@ inside and outside; 7 and 9 (the loss inside, a shared LayerNorm last) gave a wr
 weight gradient when a value and its view were both saved (`remat_solvers.shared_storage`)."""
 
 
+WIDE_SEEDS = (0, 6)
+"""From `WIDE`: two `nn.MultiheadAttention` blocks after token embeddings, the loss
+outside (0); a tied head over MLPs and attention without a norm, the loss inside (6)."""
+
+
+DRAWS = [pytest.param(BACKEND, seed, id=str(seed)) for seed in SEEDS] + [
+    pytest.param(WIDE, seed, id=f"wide-{seed}") for seed in WIDE_SEEDS]
+
+
 @pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_compositions_train_as_eager_through_the_backend(seed, plan):
+@pytest.mark.parametrize(("kinds", "seed"), DRAWS)
+def test_random_compositions_train_as_eager_through_the_backend(kinds, seed, plan):
     torch._dynamo.reset()
-    model, x = composition(seed)
+    model, x = composition(seed, kinds)
     be = remat.backend(**PLANS[plan])
     compiled = torch.compile(model, backend=be)
-    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition {seed}, {plan}")
+    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x),
+                           f"composition {seed} ({describe(model)}), {plan}")
     assert be.steps  # remat planned what ran
     for step in be.steps:  # a percentage is of inductor's no-remat peak: "100%" is that peak
         assert step.no_remat_margin_bytes is not None
