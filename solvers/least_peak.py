@@ -81,7 +81,7 @@ def descend(problem: Problem, decisions, clock: WorkClock) -> dict[int, Decision
                 trial = {**best, i: decision}
                 try:
                     ev = evaluate(problem, trial)
-                except PlanError:  # e.g. a value dropped whose recompute needs a dropped random op
+                except PlanError:  # a value dropped (not recomputable) that backward needs
                     continue
                 clock.charge_steps(len(ev.steps))
                 if (ev.peak_bytes, ev.cost_s) < key:

@@ -4,11 +4,11 @@
 attention through SDPA or ``nn.MultiheadAttention``; LayerNorm, RMSNorm or none; the
 norm before the branch, after the sum, or shared by both) and returns the model with
 its input. `Kinds` says what may be drawn: `BACKEND` is what the inductor gradient guard
-draws, `EAGER` adds `nn.MultiheadAttention`, blocks without a norm, token embeddings with a
-tied or untied head and a cross-entropy loss, and what only an exact runtime can compare
-bit for bit (dropout, attention dropout, stochastic depth as timm writes it); `WIDE` is
-`EAGER` without the random ops, the loss inside or outside. The same seed and kinds give the same model,
-input and parameters in any process.
+draws; `EAGER` adds `nn.MultiheadAttention`, blocks without a norm, token embeddings
+with a tied or untied head and a cross-entropy loss, and what only an exact runtime can
+compare bit for bit (dropout, attention dropout, stochastic depth as timm writes it);
+`WIDE` is `EAGER` without the random ops, the loss inside or outside. The same seed and
+kinds give the same model, input and parameters in any process.
 """
 
 from __future__ import annotations

@@ -5,15 +5,18 @@ that plan or a cheaper one (warm-started with it)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from strategies import problems
 
 import remat
 from remat.errors import InfeasibleBudgetError
 from remat.planning import floor as remat_floor
 from remat.testing import zoo
-from remat_solvers import Status, builders, simulate, solve
-from remat_solvers.least_peak import least_peak_plan, peak_lower_bound, scheduled_plans
+from remat_solvers import Decision, Status, builders, decisions_all, simulate, solve
+from remat_solvers.base import WorkClock
+from remat_solvers.least_peak import descend, least_peak_plan, peak_lower_bound, scheduled_plans
+from remat_solvers.simulate import PlanError, evaluate
 
 
 @settings(max_examples=40)
@@ -22,6 +25,28 @@ def test_floor_is_brutes_least_peak_on_small_problems(problem):
     plan = least_peak_plan(problem)
     assert plan.peak_bytes == solve(problem.with_budget(0), "brute").peak_bytes
     assert simulate(problem.with_budget(plan.peak_bytes), plan).fits
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_forward=7, offload=None), start=st.sampled_from([Decision.SAVE, Decision.RECOMPUTE]))
+def test_the_descent_ends_where_no_one_change_lowers_the_peak_and_never_rises(problem, start):
+    zero = problem.with_budget(0)
+    begin = decisions_all(zero, start)
+    assume(_key(zero, begin) is not None)
+    end = descend(zero, begin, WorkClock(None))
+    assert _key(zero, end) <= _key(zero, begin)
+    for i in zero.decision_ids:  # a local minimum of (peak, cost)
+        for decision in zero.allowed(i):
+            key = _key(zero, {**end, i: decision})
+            assert key is None or key >= _key(zero, end), (i, decision)
+
+
+def _key(problem, decisions):
+    try:
+        ev = evaluate(problem, decisions)
+    except PlanError:
+        return None
+    return ev.peak_bytes, ev.cost_s
 
 
 @settings(max_examples=40)
