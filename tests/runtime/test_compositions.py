@@ -4,8 +4,9 @@
 shared, dropout, attention dropout, stochastic depth, token embeddings with a tied or
 untied head): at the no-remat peak, at the floor, and at the floor with offload, two
 steps each under different random seeds. `compile=True` at its floor on two of them
-(in eval mode: inductor draws other random numbers than eager), to inductor's rounding (rtol 1e-4, as `tests/runtime/inductor/test_backend_gradients.py`
-states why); the backend's own fuzz is there."""
+(in eval mode: inductor draws other random numbers than eager), to inductor's rounding
+(rtol 1e-4, as `tests/runtime/inductor/test_backend_gradients.py` states why); the
+backend's own fuzz is there."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import remat
-from nets import assert_trains_like_eager
+from nets import assert_gradients_match, assert_trains_like_eager
 from remat.testing.compositions import EAGER, composition, describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -70,12 +71,5 @@ def test_random_compositions_plan_through_inductor_to_its_rounding(seed):
     torch._dynamo.reset()
     model, x = composition(seed, EAGER)
     model.eval()  # inductor draws other random numbers than eager
-    eager = copy.deepcopy(model)
     planned = remat.plan(model, (x,), budget=_floor(model, x, compile=True), compile=True)
-    loss, loss_eager = planned(x), eager(x)
-    loss.backward()
-    loss_eager.backward()
-    torch.testing.assert_close(loss, loss_eager, rtol=1e-4, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"composition {seed}: gradient of {name}: {m}")
+    assert_gradients_match(model, lambda m: planned(x), lambda m: m(x), f"composition {seed} ({describe(model)})")
