@@ -60,9 +60,10 @@ def read_in_backward(problem: Problem, steps: Sequence[Step]) -> set[int]:
 def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
     """`plan` with every storage that two saved values share saved once, as the value that
     owns it, and every saved view in it recomputed (just before its first reader in an
-    explicit schedule, from which the owner's own recomputes leave: it is saved now). Returns `plan` itself when no storage is shared, or when a view in
-    one reads another forward value (recomputing it would hold that value too; ATen's
-    views read only their base): the rewrite then refuses the plan (`shared_saves`)."""
+    explicit schedule, from which the owner's own recomputes leave: it is saved now).
+    Returns `plan` itself when no storage is shared, or when a view in one reads another
+    forward value (recomputing it would hold that value too; ATen's views read only their
+    base): the rewrite then refuses the plan (`shared_saves`)."""
     groups = shared_saves(problem, plan)
     views = sorted(i for i, d in plan.decisions.items()
                    if d is Decision.SAVE and problem.storage_of[i] in groups and i not in groups)
