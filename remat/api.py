@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import logging
 import time
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from remat.budget import format_bytes
 from remat.compile_backend import RematBackend
 from remat.errors import InfeasibleBudgetError, RematError
 from remat.frontend import workspace
@@ -27,9 +31,38 @@ from remat.planning import distributed
 from remat.planning.settings import PlannerSettings, SettingsView
 from remat.planning.shapes import ShapePlan, label_of, planned_shape, refused_shape, shapes_summary, with_length
 from remat.report import summary
+from remat.runtime.step.ledger import predicted_peak
 from remat_solvers import Plan
 
 log = logging.getLogger(__name__)
+
+
+_COMPILED_STEPS = itertools.count()
+
+
+def _compiled(flat: FlatModel, backend: Any) -> Any:
+    """`torch.compile` of the flat step through a function with a code object of its
+    own. Dynamo keeps per code object its compiled code, its recompile limit (8) and the
+    sizes it saw change: compiled through `FlatModel.forward`, which every signature of
+    every planned model shares, the ninth signature in a process stopped with
+    `FailOnRecompileLimitHit`, and every signature after the first compiled with dynamic
+    shapes. `dynamic=False`: a signature is one set of sizes; `fullgraph=True`: one
+    graph, so the budget covers the whole step."""
+    def step(*tensors: torch.Tensor) -> Any:
+        return flat(*tensors)
+
+    code = step.__code__.replace(co_name=f"remat_step_{next(_COMPILED_STEPS)}")
+    own = types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _stop_class() -> type:
+    """The exception that stops a plan-time compile once remat has planned: a dynamo
+    `ShortenTraceback`, which dynamo re-raises as it is."""
+    from remat.compat import ShortenTraceback
+
+    return type("PlannedUnderInductor", (ShortenTraceback,), {})
 
 
 class Planned(SettingsView, nn.Module):
@@ -149,12 +182,26 @@ class Planned(SettingsView, nn.Module):
         measuring = workspace.inside_a_step(budget) if cache else contextlib.nullcontext()
         try:
             with measuring:
-                traced = compile_joint(traced_module, signature.tensors(args, kwargs), partitioner,
-                                       user_model=self.model)
+                traced = compile_joint(traced_module, tensors, partitioner, user_model=self.model)
         except Exception:
-            if partitioner.error is not None:
-                raise partitioner.error from None
-            raise
+            error = partitioner.error
+            if error is None:
+                raise
+            if not (self.compile and isinstance(error, InfeasibleBudgetError)):
+                raise error from None
+            # op by op no plan fits; what runs is inductor's code, whose floor may sit
+            # above or below: its closed loop decides, before anything runs
+            with measuring:
+                self._holds_under_inductor(flat, tensors, error)
+            # it holds: the eager step, at its floor op by op under the budget asked, is
+            # the plan shown until the first call compiles inductor's
+            partitioner = Partitioner(self.settings, num_params=num_params, budget=error.min_peak_bytes,
+                                      started_s=started, offload_bandwidth_bytes_per_s=bandwidth)
+            with measuring:
+                traced = compile_joint(traced_module, tensors, partitioner, user_model=self.model)
+            step = dataclasses.replace(partitioner.step, budget_bytes=error.budget_bytes,
+                                       library_trace_path=traced.library_trace_path)
+            return step, self._inductor(flat, step.budget_bytes), flat
         if partitioner.step is None:
             raise RematError(
                 "AOTAutograd did not produce a joint graph (does the loss require grad? are "
@@ -163,19 +210,56 @@ class Planned(SettingsView, nn.Module):
             )
         step = dataclasses.replace(partitioner.step, library_trace_path=traced.library_trace_path)
         if self.compile:
-            return step, self._inductor(flat, step), flat
+            return step, self._inductor(flat, step.budget_bytes), flat
         return step, traced.compiled, flat
 
-    def _inductor(self, flat: FlatModel, step: PlannedStep) -> Any:
+    def _backend(self, budget_bytes: int) -> RematBackend:
+        return RematBackend(budget=budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
+                            offload=self.offload, cost_model=self.cost_model, **self.options)
+
+    def _inductor(self, flat: FlatModel, budget_bytes: int) -> Any:
         """The same step through `torch.compile` with `remat.backend` (inductor) under the
         bytes this plan resolved. Dynamo captures the flat model (only the loss
         differentiable, as here), so the backend plans the same problem after inductor's
-        joint-graph passes; it compiles on the first call. `fullgraph=True`: one graph,
-        so the budget covers the whole step."""
-        be = RematBackend(budget=step.budget_bytes, solver=self.solver, sync_ranks=self.sync_ranks,
-                          offload=self.offload, cost_model=self.cost_model, **self.options)
+        joint-graph passes; it compiles on the first call (`_compiled`)."""
+        be = self._backend(budget_bytes)
         self.__dict__.setdefault("_remat_backends", []).append(be)
-        return torch.compile(flat, backend=be, fullgraph=True)
+        return _compiled(flat, be)
+
+    def _holds_under_inductor(self, flat: FlatModel, tensors: Sequence[Any],
+                              refused: InfeasibleBudgetError) -> None:
+        """With `compile=True`, a budget no plan meets op by op: compile the step through
+        the backend now and stop once it has planned, before the compiled code runs (no
+        forward, so no gradient, buffer or RNG state changes). Returns if inductor's closed
+        loop holds the budget; raises its refusal, which names inductor's floor, if not."""
+        budget = refused.budget_bytes
+        be = self._backend(budget)
+        stop = _stop_class()
+
+        def planned_then_stop(gm: Any, example_inputs: Sequence[Any]) -> Any:
+            be(gm, example_inputs)
+            raise stop("planned under inductor", first_useful_frame=None)
+
+        try:
+            _compiled(flat, planned_then_stop)(*tensors)
+        except stop:
+            pass
+        else:
+            raise RematError("torch.compile ran the step without calling remat's backend; "
+                             "is torch.compiler.disable on for this model?")
+        # the whole step is this one graph (fullgraph): a plan the ledger ran at its floor,
+        # over the budget, is the floor under inductor
+        over = [s for s in be.steps if predicted_peak(s) > budget]
+        if over:
+            floor = min(over, key=predicted_peak)
+            peak = predicted_peak(floor)
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(budget)} does not hold under inductor (compile=True): the "
+                f"smallest reachable peak found is {format_bytes(peak)} "
+                f"({format_bytes(floor.evaluation.peak_bytes)} op by op, "
+                f"{getattr(floor, 'fusion_margin_bytes', 0):+,} B from inductor's kernels); raise "
+                f"the budget to at least {peak} bytes, or plan with compile=False (op by op)",
+                budget_bytes=budget, min_peak_bytes=peak)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -193,7 +277,8 @@ class Planned(SettingsView, nn.Module):
     @property
     def step(self) -> PlannedStep:
         """The plan that runs: with `compile=True`, inductor's once the first call compiled
-        it (before that, the eager plan made at `remat.plan`, which fixed the budget)."""
+        it (before that, the eager plan made at `remat.plan`, which fixed the budget; at a
+        budget inductor holds and no plan op by op meets, the floor op by op, over it)."""
         cache = self.__dict__["_remat_cache"]
         if not cache:
             raise RematError("nothing planned yet: call remat.plan(model, args, budget=...)")
@@ -212,7 +297,9 @@ class Planned(SettingsView, nn.Module):
 
     @property
     def predicted_peak_bytes(self) -> int:
-        return self.step.evaluation.peak_bytes
+        """The plan's simulated peak, plus what inductor's code holds beyond it once the
+        first call compiled under `compile=True` (`PlannedStep.fusion_margin_bytes`)."""
+        return predicted_peak(self.step)
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -280,8 +367,10 @@ def plan(
 
     compile: run the planned step with inductor's fused kernels (`torch.compile` with
     `remat.backend`, under the bytes resolved here); it compiles on the first call. The
-    budget is checked here, before anything runs; gradients then match eager up to
-    inductor's rounding instead of bit for bit.
+    budget is checked here, before anything runs: op by op, and where no plan meets it
+    op by op, by inductor's closed loop on the step compiled now (not run), whose
+    refusal names the floor under inductor. Gradients then match eager up to inductor's
+    rounding instead of bit for bit.
 
     cost_model: how a recompute's seconds are estimated, one of
     `remat.frontend.costs.COST_MODELS`: "eager" (default; each op its own kernel),

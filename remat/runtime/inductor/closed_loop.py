@@ -221,6 +221,8 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                 inlined = _inlined_floors(partitioner, plan)
             others = {"no remat": no_remat, **({"canonical floor": canonical[0]} if canonical else {}),
                       **inlined}
+            log.debug("remat: at the floor, under inductor: %s",
+                      {name: found.under_inductor for name, found in others.items()})
             fitting = [name for name, found in others.items() if found.under_inductor <= budget_bytes]
             lowest = min(others, key=lambda name: others[name].under_inductor)  # cheapest first
             pick = (fitting[0] if fitting else
@@ -363,7 +365,12 @@ def _use_the_deficit(partitioner: Any, partitioned: Callable[[], Any], under_ind
         partitioner.budget = target
         log.info("remat: inductor's code holds %d B less than remat's model; trying a plan under %d B",
                  -best.margin, target)
-        step = partitioned()
+        try:
+            step = partitioned()
+        except InfeasibleBudgetError as e:  # moved down past the floor op by op: `best` stands
+            _planned_past(e)
+            partitioner.error = None
+            break
         if step.evaluation.cost_s >= best.step.evaluation.cost_s:
             break  # saving more buys nothing here
         wider = under_inductor(step)

@@ -215,6 +215,33 @@ def test_plan_compile_true_runs_inductor_under_the_planned_bytes():
     assert step.evaluation.peak_bytes <= step.budget_bytes
 
 
+def test_plan_compile_true_compiles_each_signature_on_its_own():
+    """Each input signature compiles through a function of its own: dynamo's recompile
+    limit (set to 2 here, 8 by default) counts per code object, and the sizes it saw
+    change there would make later signatures compile with dynamic shapes (planned per
+    graph at the traced sizes, outside the whole-step ledger)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    torch._dynamo.reset()
+    model = Net()
+    planned = remat.plan(model, (torch.randn(64, 64),), budget="100%", compile=True)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for rows in (64, 32, 16, 8):
+            model.zero_grad(set_to_none=True)  # as a training step's optimizer does
+            planned(torch.randn(rows, 64)).backward()
+    backends = planned.__dict__["_remat_backends"]
+    assert len(backends) == 4
+    for be in backends:
+        assert len(be.steps) == 1 and be.ledger.graphs  # static sizes: through the whole-step ledger
+    peaks = [be.steps[0].baseline_peak_bytes for be in backends]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4  # each planned at its own size
+
 
 def _bf16_grads(budget, cost_model):
     torch._dynamo.reset()
