@@ -100,8 +100,8 @@ def test_compile_true_refuses_with_the_floor_inductor_holds():
 
 def test_backend_plans_at_the_floor_it_named_in_the_same_process():
     """Composition 25 under inductor. Asked for one byte, the backend names its floor; asked
-    for exactly that floor in the same process (which by then remembers the graph's
-    floor plan, a warm start for later solves), it plans and runs under it. The plan the
+    for exactly that floor in the same process (which now remembers the graph's floor
+    plan, a warm start for later solves), it plans and runs under it. The plan the
     ledger's first step runs below the floor is the lowest of the solve at budget 0, not
     of the failed solve at the budget asked, which the remembered plan steers elsewhere
     (to a plan of the same peak op by op that holds 16,000 B more under inductor). At
@@ -141,7 +141,6 @@ def test_compile_true_plans_below_the_floor_op_by_op_where_inductor_holds_it():
     under_inductor = _floor(model, args, outputs="loss", compile=True)
     assert under_inductor < op_by_op
     planned = remat.plan(model, args, budget=under_inductor, outputs="loss", compile=True)
-    assert planned.budget_bytes == under_inductor  # the budget asked; until the first call the plan
-    # shown is the floor op by op, over it
+    assert planned.budget_bytes == under_inductor  # before the first call: the floor op by op, over it
     assert_gradients_match(model, lambda m: planned(*args).loss, lambda m: m(*args).loss, "zoo mlp")
     assert planned.predicted_peak_bytes <= under_inductor  # inductor's plan, its margin counted
