@@ -183,11 +183,7 @@ class Partitioner:
             plan = self._solve(solving.problem, options)
         refusal = None
         if plan.status is Status.INFEASIBLE and self.best_effort:
-            # the lowest plan of the solve at budget 0 (as the ledger's menus take it), not of
-            # this failed solve: that one depends on the budget asked and on the floor plans
-            # this process remembers (its warm start), and under inductor the plan that
-            # runs may become the floor a refusal names, which planning at must find again
-            plan = lowest_found(solving.problem, solve(solving.problem.with_budget(0), settings.solver, **options))
+            plan = lowest_found(solving.problem, plan)
         elif plan.status is Status.INFEASIBLE:  # fits at the floor, or the error naming it
             plan, refusal = self._at_the_floor(solving, plan, options, baseline)
         kept_refusal = None

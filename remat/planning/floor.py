@@ -134,9 +134,7 @@ def _remember(key: tuple[Problem, float, int], plan: Plan) -> None:
 
 def lowest_found(problem: Problem, failed: Plan) -> Plan:
     """Without the floor search (seconds of ILP per graph): the lower-peak plan of the
-    failed solve's and recompute-everything, as a plan that fits at its own peak. Its
-    callers pass the solve at budget 0 without a warm start, so the plan depends on the
-    graph alone, not on the budget asked or the floor plans this process remembers."""
+    failed solve's and recompute-everything, as a plan that fits at its own peak."""
     everything = solve(problem.with_budget(0), "all")
     best = min((failed, everything), key=lambda p: (p.peak_bytes, p.objective_s))
     return finish(problem.with_budget(best.peak_bytes), best.decisions, "floor", started_s=0.0)
