@@ -175,7 +175,11 @@ class Planned(SettingsView, nn.Module):
         if self.offload is not False:  # offload=False never looks at devices
             device = offload_device([*tensors, *flat.parameters()], self.offload)
             bandwidth = resolve_bandwidth(self.offload, device)
-        partitioner = Partitioner(self.settings, num_params=num_params, budget=budget, started_s=started,
+        # with compile=True a budget no plan meets op by op is inductor's closed loop to
+        # decide (below): the trace plans at the floor op by op instead of refusing
+        probe = self.compile and not self.settings.floor_if_refused
+        settings = dataclasses.replace(self.settings, floor_if_refused=True) if probe else self.settings
+        partitioner = Partitioner(settings, num_params=num_params, budget=budget, started_s=started,
                                   offload_bandwidth_bytes_per_s=bandwidth)
         # a new input shape is planned inside the training step: measuring stays under
         # the bytes the first plan resolved
@@ -184,24 +188,9 @@ class Planned(SettingsView, nn.Module):
             with measuring:
                 traced = compile_joint(traced_module, tensors, partitioner, user_model=self.model)
         except Exception:
-            error = partitioner.error
-            if error is None:
-                raise
-            if not (self.compile and isinstance(error, InfeasibleBudgetError)):
-                raise error from None
-            # op by op no plan fits; what runs is inductor's code, whose floor may sit
-            # above or below: its closed loop decides, before anything runs
-            with measuring:
-                self._holds_under_inductor(flat, tensors, error)
-            # it holds: the eager step, at its floor op by op under the budget asked, is
-            # the plan shown until the first call compiles inductor's
-            partitioner = Partitioner(self.settings, num_params=num_params, budget=error.min_peak_bytes,
-                                      started_s=started, offload_bandwidth_bytes_per_s=bandwidth)
-            with measuring:
-                traced = compile_joint(traced_module, tensors, partitioner, user_model=self.model)
-            step = dataclasses.replace(partitioner.step, budget_bytes=error.budget_bytes,
-                                       library_trace_path=traced.library_trace_path)
-            return step, self._inductor(flat, step.budget_bytes), flat
+            if partitioner.error is not None:
+                raise partitioner.error from None
+            raise
         if partitioner.step is None:
             raise RematError(
                 "AOTAutograd did not produce a joint graph (does the loss require grad? are "
@@ -209,6 +198,14 @@ class Planned(SettingsView, nn.Module):
                 "parameters"
             )
         step = dataclasses.replace(partitioner.step, library_trace_path=traced.library_trace_path)
+        if probe and step.refusal is not None:
+            # what runs is inductor's code, whose floor may sit above or below the floor op
+            # by op: its closed loop decides, before anything runs. Where it holds, the
+            # eager step at its floor op by op is the plan shown until the first call
+            # compiles inductor's, under the budget asked.
+            with measuring:
+                self._holds_under_inductor(flat, tensors, step.refusal)
+            step = dataclasses.replace(step, budget_bytes=step.refusal.budget_bytes, refusal=None)
         if self.compile:
             return step, self._inductor(flat, step.budget_bytes), flat
         return step, traced.compiled, flat
