@@ -24,6 +24,17 @@ def _mlp(seed=0):
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 1))
 
 
+class _LossNet(nn.Module):
+    """`_mlp` with its scalar loss inside, as `remat.plan` takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x).square().mean()
+
+
 def _loss(fn, x):
     loss = fn(x).square().mean()
     loss.backward()
@@ -189,17 +200,9 @@ def test_device_speed_is_measured_on_real_tensors_inside_fake_mode(tmp_path, mon
 
 
 def test_plan_compile_true_runs_inductor_under_the_planned_bytes():
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = _mlp()
-
-        def forward(self, x):
-            return self.net(x).square().mean()
-
     torch._dynamo.reset()
     torch._inductor.metrics.reset()
-    model, x = Net(), torch.randn(256, 64)
+    model, x = _LossNet(), torch.randn(256, 64)
     eager = copy.deepcopy(model)
     planned = remat.plan(model, (x,), budget="90%", compile=True)
     eager_plan = planned.step
@@ -220,16 +223,8 @@ def test_plan_compile_true_compiles_each_signature_on_its_own():
     limit (set to 2 here, 8 by default) counts per code object, and the sizes it saw
     change there would make later signatures compile with dynamic shapes (planned per
     graph at the traced sizes, outside the whole-step ledger)."""
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = _mlp()
-
-        def forward(self, x):
-            return self.net(x).square().mean()
-
     torch._dynamo.reset()
-    model = Net()
+    model = _LossNet()
     planned = remat.plan(model, (torch.randn(64, 64),), budget="100%", compile=True)
     with torch._dynamo.config.patch(recompile_limit=2):
         for rows in (64, 32, 16, 8):
