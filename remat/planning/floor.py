@@ -8,8 +8,9 @@ process planning at the smaller figure would be refused). So every
 refusal of one graph states the same floor, in any process, and planning at it succeeds.
 Floor plans found in this process are remembered per graph and search options: the next
 refusal and the report's Pareto sweep (`least_peak`) reuse the search, and the next
-solve of the same graph (the user re-planning at the reported floor) is warm-started
-with it (`hint`).
+solve of the same graph at a budget the plan fits (the user re-planning at the reported
+floor) is warm-started with it (`hint`); a solve below it is not, so what it returns
+does not depend on what this process planned before.
 
 With `schedules` (the eager runtime's default), a budget no canonical plan fits is then
 tried with the plans that recompute a value more than once (`remat_solvers.least_peak.
@@ -46,9 +47,16 @@ def takes_hint(solver: str) -> bool:
 
 def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> Plan:
     """`solve`, warm-started with this graph's remembered floor plan when the solver
-    takes a hint and the caller gave none."""
+    takes a hint, the caller gave none, and the plan fits the budget. Below its peak
+    the hint would only choose which failing plan the solve returns, and the whole-step
+    ledger's best-effort step runs the lower of that and recompute-everything
+    (`lowest_found`), so a floor named in a fresh process would not plan in one that
+    has remembered the floor plan: on composition 25 under inductor (135,560 B), the
+    warm-started solve returns a plan of the same peak op by op that inductor's code
+    holds 16,000 B higher (tests/runtime/test_compositions.py)."""
     remembered = _remembered(problem.with_budget(0))
-    if remembered is not None and takes_hint(solver) and "hint" not in options:
+    if (remembered is not None and remembered.peak_bytes <= problem.budget_bytes and takes_hint(solver)
+            and "hint" not in options):
         options = {**options, "hint": remembered.decisions}
     return solve(problem, solver, **options)
 

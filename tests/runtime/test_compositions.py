@@ -120,6 +120,33 @@ def test_backend_keeps_a_plan_that_fits_when_the_room_it_tries_is_below_the_floo
     assert step.evaluation.peak_bytes > 135_560  # op by op over: inductor's code holds less
 
 
+def test_the_floor_the_backend_names_plans_in_the_same_process():
+    """Composition 25 under inductor: the floor a 1-byte budget is refused with (below
+    the floor op by op, 160,136 B: inductor's code holds less) plans when asked for in
+    the same process, where the floor plan op by op is remembered by then
+    (`remat.planning.floor.solve_with_floor`), and runs under it."""
+    from remat.runtime.step.ledger import predicted_peak
+    from remat.testing.measure import measure_step_profiler
+
+    def compiled_at(budget):
+        torch._dynamo.reset()
+        model, x = composition(25, EAGER)
+        model.eval()
+        be = remat.backend(budget=budget)
+        return model, x, be, torch.compile(model, backend=be, fullgraph=True)
+
+    model, x, _, compiled = compiled_at(1)
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        compiled(x).backward()
+    floor = refused.value.min_peak_bytes
+    model, x, be, compiled = compiled_at(floor)
+    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 25 ({describe(model)})")
+    model.zero_grad(set_to_none=True)
+    measured = measure_step_profiler(lambda: compiled(x).backward(), register=(model, x)).peak_bytes
+    (step,) = be.steps
+    assert measured <= predicted_peak(step) <= floor
+
+
 def test_compile_true_plans_below_the_floor_op_by_op_where_inductor_holds_it():
     """The zoo's MLP (tiny): inductor's code holds less than its floor op by op, so a
     budget between the two, refused op by op, plans with `compile=True`: inductor's
