@@ -9,11 +9,10 @@ before the step: parameters, buffers, the batch).
 A percentage under inductor is of inductor's no-remat peak (remat's plan that saves
 everything as inductor generates it). `--floors` prints, per model, the floor op by op
 (`remat.plan`) and under inductor (`remat.backend`), each as bytes and as a percentage of
-its own path's no-remat peak, and the gap in points (`outputs="loss"` on both); also the
-floor op by op with random ops saved (`replay_rng=False`), as inductor keeps them: its
-random numbers are its own, so a recomputed draw would not be the forward's; and the gap
-in bytes, as points of the eager no-remat peak (one denominator for both floors: inductor's
-no-remat peak differs from eager's, which moves the percentages apart by itself).
+its own path's no-remat peak, and the gap in points (`outputs="loss"` on both); and the
+gap in bytes, as points of the eager no-remat peak (one denominator for both floors:
+inductor's no-remat peak differs from eager's, which moves the percentages apart by
+itself).
 
 "over" = measured - predicted: never positive is the promise. A refused budget prints the
 refusal's smallest reachable peak. LLaMA reads 32 B over: transformers keeps
@@ -66,8 +65,6 @@ def floors_row(model: str, size: str) -> str:
     case = zoo.build(model, size=size)
     eager_no_remat = remat.plan(case.model, case.args, case.kwargs, budget="100%", outputs="loss").baseline_peak_bytes
     eager = _floor(lambda b: remat.plan(case.model, case.args, case.kwargs, budget=b, outputs="loss"))
-    saved = _floor(lambda b: remat.plan(case.model, case.args, case.kwargs, budget=b, outputs="loss",
-                                        replay_rng=False))
     # what a percentage is of: the plan that saves everything, as inductor generates it (the
     # plan at "100%" may recompute what is cheaper to recompute than to save, and peak lower)
     no_remat = compiled.prepare_remat_inductor(case, "100%").no_remat_peak_bytes
@@ -76,10 +73,10 @@ def floors_row(model: str, size: str) -> str:
         compiled.prepare_remat_inductor(zoo.build(model, size=size), budget, whole_step=False)
 
     inductor = _floor(under_inductor)
-    e, r, i = (100.0 * eager / eager_no_remat, 100.0 * saved / eager_no_remat, 100.0 * inductor / no_remat)
+    e, i = 100.0 * eager / eager_no_remat, 100.0 * inductor / no_remat
     in_bytes = 100.0 * (inductor - eager) / eager_no_remat  # one denominator for both floors
-    return (f"| {model} | {eager:,} | {e:.1f}% of {eager_no_remat:,} | {r:.1f}% | {inductor:,} "
-            f"| {i:.1f}% of {no_remat:,} | {i - e:+.1f} | {i - r:+.1f} | {in_bytes:+.1f} |")
+    return (f"| {model} | {eager:,} | {e:.1f}% of {eager_no_remat:,} | {inductor:,} "
+            f"| {i:.1f}% of {no_remat:,} | {i - e:+.1f} | {in_bytes:+.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.floors:
-        print("| model | floor op by op B | of its no-remat | random ops saved | floor under inductor B "
-              "| of its no-remat | gap (points) | gap, random ops saved | gap in bytes, points of eager's no-remat |"
-              "\n|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| model | floor op by op B | of its no-remat | floor under inductor B | of its no-remat "
+              "| gap (points) | gap in bytes, points of eager's no-remat |"
+              "\n|---|---|---|---|---|---|---|", flush=True)
         for model in args.models.split(","):
             print(floors_row(model, args.size), flush=True)
         return

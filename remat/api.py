@@ -353,7 +353,8 @@ def plan(
     just before each (5,056 bytes on CPU) and backward replays it, bit for bit, leaving
     the global random stream where eager leaves it; the planner weighs that against
     saving the mask and output. `replay_rng=False` (an option) always saves them, as
-    `compile=True` does (inductor's partitioner hook does not replay them).
+    `compile=True`'s trace does; the plan that then runs is inductor's graph's, where a
+    mask is drawn from a saved seed (`prims.inductor_random`) and may be recomputed.
 
     Below every plan that recomputes each value at most once, the planner tries plans
     that drop a recomputed value after one backward reader and recompute it again for a

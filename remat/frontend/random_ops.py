@@ -35,7 +35,7 @@ _EXACT_SPLIT_DTYPES = (torch.float32, torch.float64)
 """Where native_dropout_backward(x, mask, scale) is native_dropout's output bit for bit
 (measured on CPU, torch 2.13). In bf16/fp16 it is not (off by one rounding, up to 0.03 in
 bf16: native_dropout scales by 1/(1-p) rounded to the dtype), so dropout in those dtypes
-stays saved, as before."""
+stays saved."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -132,9 +132,11 @@ class PlannerSettings:
         Schedules that recompute a value twice are planned (the `schedules` option turns
         them off): the backward is a plain graph with one copy of the value per
         recompute, which inductor compiles like any other and the closed loop measures
-        as generated. `replay_rng` is the eager runtime's option: the backend's graphs
-        keep random ops saved, whatever it says (inductor draws its own random numbers,
-        so a recomputed draw would not be the forward's)."""
+        as generated. `replay_rng` is the eager runtime's option (it replays the
+        generator): the backend's graphs keep every random op saved, whatever it says.
+        Under inductor a dropout mask is not one: it is `prims.inductor_random`, drawn
+        from a seed the forward draws once (`prims.inductor_seeds`, the random op kept
+        saved), so it may be recomputed and draws the same numbers."""
         cost_model = cost_model or ("compiled-traffic" if compiler == "inductor" else "eager")
         check_settings(budget=budget, solver=solver, offload=offload, cost_model=cost_model, outputs=outputs)
         solver_options, planner = _split(options)
