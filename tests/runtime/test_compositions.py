@@ -98,25 +98,37 @@ def test_compile_true_refuses_with_the_floor_inductor_holds():
     assert measured <= planned.predicted_peak_bytes <= planned.budget_bytes == floor
 
 
-def test_backend_keeps_a_plan_that_fits_when_the_room_it_tries_is_below_the_floor():
-    """Composition 25 under inductor at 135,560 B: the plan found first fits (inductor's
-    code holds 24,576 B less than its 160,136 B op by op), so the closed loop tries
-    plans with that room; the second target falls below the floor op by op, whose
-    refusal must end the search with the fitting plan, not the compile."""
-    from remat.runtime.step.ledger import predicted_peak
-    from remat.testing.measure import measure_step_profiler
-
+def _composition_25_under_backend(budget):
+    """Composition 25 (eval mode) compiled through `remat.backend(budget=budget)`:
+    (model, x, the backend, the compiled model), nothing run yet."""
     torch._dynamo.reset()
     model, x = composition(25, EAGER)
     model.eval()
-    be = remat.backend(budget=135_560)
-    compiled = torch.compile(model, backend=be, fullgraph=True)
+    be = remat.backend(budget=budget)
+    return model, x, be, torch.compile(model, backend=be, fullgraph=True)
+
+
+def _trains_under(model, x, be, compiled, budget: int):
+    """The compiled step's gradients match eager's, and its measured peak is at most its
+    prediction, which is at most `budget`. Returns the planned step."""
+    from remat.runtime.step.ledger import predicted_peak
+    from remat.testing.measure import measure_step_profiler
+
     assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 25 ({describe(model)})")
     model.zero_grad(set_to_none=True)
     # compiled outside the profiler (under it, workspace is not measured: `workspace.measure`)
     measured = measure_step_profiler(lambda: compiled(x).backward(), register=(model, x)).peak_bytes
     (step,) = be.steps
-    assert measured <= predicted_peak(step) <= 135_560
+    assert measured <= predicted_peak(step) <= budget
+    return step
+
+
+def test_backend_keeps_a_plan_that_fits_when_the_room_it_tries_is_below_the_floor():
+    """Composition 25 under inductor at 135,560 B: the plan found first fits (inductor's
+    code holds 24,576 B less than its 160,136 B op by op), so the closed loop tries
+    plans with that room; the second target falls below the floor op by op, whose
+    refusal must end the search with the fitting plan, not the compile."""
+    step = _trains_under(*_composition_25_under_backend(135_560), 135_560)
     assert step.evaluation.peak_bytes > 135_560  # op by op over: inductor's code holds less
 
 
@@ -125,26 +137,11 @@ def test_the_floor_the_backend_names_plans_in_the_same_process():
     the floor op by op, 160,136 B: inductor's code holds less) plans when asked for in
     the same process, where the floor plan op by op is remembered by then
     (`remat.planning.floor.solve_with_floor`), and runs under it."""
-    from remat.runtime.step.ledger import predicted_peak
-    from remat.testing.measure import measure_step_profiler
-
-    def compiled_at(budget):
-        torch._dynamo.reset()
-        model, x = composition(25, EAGER)
-        model.eval()
-        be = remat.backend(budget=budget)
-        return model, x, be, torch.compile(model, backend=be, fullgraph=True)
-
-    model, x, _, compiled = compiled_at(1)
+    _, x, _, compiled = _composition_25_under_backend(1)
     with pytest.raises(remat.InfeasibleBudgetError) as refused:
         compiled(x).backward()
     floor = refused.value.min_peak_bytes
-    model, x, be, compiled = compiled_at(floor)
-    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 25 ({describe(model)})")
-    model.zero_grad(set_to_none=True)
-    measured = measure_step_profiler(lambda: compiled(x).backward(), register=(model, x)).peak_bytes
-    (step,) = be.steps
-    assert measured <= predicted_peak(step) <= floor
+    _trains_under(*_composition_25_under_backend(floor), floor)
 
 
 def test_compile_true_plans_below_the_floor_op_by_op_where_inductor_holds_it():
