@@ -74,7 +74,7 @@ def _workspace_as_called(origin: fx.Node, kernel: Any, measured: int) -> int:
     inputs = list(getattr(kernel, "inputs", None) or ())
     if not args or len(args) != len(inputs) or profiler_recording():
         return measured
-    restrided: dict[fx.Node, Any] = {}
+    as_called: dict[fx.Node, Any] = {}
     for arg, given in zip(args, inputs):
         val, stride = arg.meta["val"], _stride(given)
         try:
@@ -85,15 +85,15 @@ def _workspace_as_called(origin: fx.Node, kernel: Any, measured: int) -> int:
         if stride is None or given_size != size or getattr(val, "fake_mode", None) is None:
             return measured
         with val.fake_mode:
-            restrided[arg] = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
+            as_called[arg] = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
     graph = fx.Graph()
     env = {}
     for arg in {a: None for a in tree_leaves((origin.args, origin.kwargs)) if isinstance(a, fx.Node)}:
         env[arg] = graph.placeholder(arg.name)
-        env[arg].meta["val"] = restrided.get(arg, arg.meta.get("val"))
+        env[arg].meta["val"] = as_called.get(arg, arg.meta.get("val"))
     called = graph.call_function(origin.target, fx.node.map_arg(origin.args, env.__getitem__),
                                  fx.node.map_arg(origin.kwargs, env.__getitem__))
-    return measure_workspace([called], next(iter(restrided.values())).device).get(called.name, 0)
+    return measure_workspace([called], next(iter(as_called.values())).device).get(called.name, 0)
 
 
 def _hint(size: Any) -> int:
