@@ -154,10 +154,11 @@ class Partitioner:
         """The solver's plan; with offload="fallback", its recompute-only plan when that
         fits, and offload only when it does not."""
         if self.settings.offload == "fallback" and problem.offload_bandwidth_bytes_per_s is not None:
-            plan = solve_with_floor(_recompute_only(problem), self.settings.solver, options)
+            plan = solve_with_floor(_recompute_only(problem), self.settings.solver, options,
+                                    descend_floor=self.settings.descend_floor)
             if plan.status is not Status.INFEASIBLE:
                 return plan
-        return solve_with_floor(problem, self.settings.solver, options)
+        return solve_with_floor(problem, self.settings.solver, options, descend_floor=self.settings.descend_floor)
 
     def _partition(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any = None):
         t_traced = time.perf_counter()
@@ -178,7 +179,8 @@ class Partitioner:
         log.debug("remat: solving %d decision values with %s", len(gp.problem.decision_ids), settings.solver,
                   extra={STAGE: "solve"})
         # below the bytes every plan holds at its end: refused from the floor search alone
-        plan = None if self.best_effort else refused_without_solving(solving.problem, settings.solver, options)
+        plan = None if self.best_effort else refused_without_solving(solving.problem, settings.solver, options,
+                                                                     descend_floor=settings.descend_floor)
         if plan is None:
             plan = self._solve(solving.problem, options)
         refusal = None
@@ -229,7 +231,8 @@ class Partitioner:
                       baseline: int) -> tuple[Plan, InfeasibleBudgetError | None]:
         settings = self.settings
         return at_the_floor(gp, failed, solver=settings.solver, options=options, baseline_bytes=baseline,
-                            offload=settings.offload, schedules=settings.schedules)
+                            offload=settings.offload, schedules=settings.schedules,
+                            descend_floor=settings.descend_floor)
 
     def _problem_of(self, joint: fx.GraphModule, num_fwd_outputs: int, param_indices: Any):
         """The joint graph's problem (budget 0), its no-remat peak and the device speed.

@@ -32,11 +32,13 @@ ilp's search alone."""
 
 
 def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME_LIMIT_S,
-                    seed: int = 0) -> Plan:
+                    seed: int = 0, descend_floor: bool = True) -> Plan:
     """The smallest-peak plan found (ties: the cheaper), as a Plan evaluated at a budget
     equal to its own peak (so its status is FEASIBLE: it fits; no claim that no plan
     peaks lower, though brute and dp do find the exact least peak). Deterministic: the
-    same problem graph and options give the same plan."""
+    same problem graph and options give the same plan. `descend_floor=False`: the plan
+    the search found, without the descent (inductor's closed loop tries both: a descent
+    that lowers the peak op by op can raise it as inductor generates the code)."""
     started = time.perf_counter()
     zero = problem.with_budget(0)
     candidates = [decisions_all(zero, Decision.RECOMPUTE), decisions_all(zero, Decision.SAVE)]
@@ -53,8 +55,9 @@ def least_peak_plan(problem: Problem, *, time_limit_s: float | None = FLOOR_TIME
             found = None
         if found is not None and _key(zero, found.decisions) <= _key(zero, best):
             best = dict(found.decisions)
-    limit_s = None if time_limit_s is None else DESCENT_SHARE * time_limit_s
-    best = descend(zero, best, WorkClock(limit_s))
+    if descend_floor:
+        limit_s = None if time_limit_s is None else DESCENT_SHARE * time_limit_s
+        best = descend(zero, best, WorkClock(limit_s))
     floor = evaluate(zero, best).peak_bytes
     return finish(problem.with_budget(floor), best, "floor", started_s=started)
 

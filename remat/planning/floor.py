@@ -37,16 +37,18 @@ from remat_solvers.least_peak import FLOOR_TIME_LIMIT_S, least_peak_plan, peak_l
 
 _REMEMBERED = 16
 """Graphs whose floor plan is remembered (most recent first out)."""
-_FLOOR_PLANS: OrderedDict[tuple[Problem, float, int], Plan] = OrderedDict()
-"""(graph at budget 0, floor search time limit, seed) -> the floor plan."""
+_FLOOR_PLANS: OrderedDict[tuple[Problem, float, int, bool], Plan] = OrderedDict()
+"""(graph at budget 0, floor search time limit, seed, descended) -> the floor plan."""
 
 
 def takes_hint(solver: str) -> bool:
     return solver in SOLVERS and "hint" in {f.name for f in dataclasses.fields(SOLVERS[solver].options_type)}
 
 
-def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> Plan:
-    """`solve`, warm-started with this graph's remembered floor plan when the solver
+def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any], *,
+                     descend_floor: bool = True) -> Plan:
+    """`solve`, warm-started with this graph's remembered floor plan (of the floor search
+    with or without its descent, as `descend_floor` says) when the solver
     takes a hint, the caller gave none, and the plan fits the budget. Below its peak
     the hint would only choose which failing plan the solve returns, and the whole-step
     ledger's best-effort step runs the lower of that and recompute-everything
@@ -54,33 +56,37 @@ def solve_with_floor(problem: Problem, solver: str, options: dict[str, Any]) -> 
     has remembered the floor plan: on composition 25 under inductor (135,560 B), the
     warm-started solve returns a plan of the same peak op by op that inductor's code
     holds 16,000 B higher (tests/runtime/test_compositions.py)."""
-    remembered = _remembered(problem.with_budget(0))
+    remembered = _remembered(problem.with_budget(0), descend_floor)
     if (remembered is not None and remembered.peak_bytes <= problem.budget_bytes and takes_hint(solver)
             and "hint" not in options):
         options = {**options, "hint": remembered.decisions}
     return solve(problem, solver, **options)
 
 
-def refused_without_solving(problem: Problem, solver: str, options: dict[str, Any]) -> Plan | None:
+def refused_without_solving(problem: Problem, solver: str, options: dict[str, Any], *,
+                            descend_floor: bool = True) -> Plan | None:
     """For a budget below `remat_solvers.least_peak.peak_lower_bound` (bytes live at the end of every
     plan): the floor plan, INFEASIBLE at this budget, as the failed solve's answer,
     without the solve (no plan can fit, and `at_the_floor` answers from the floor plan
     alone); else None."""
     if problem.budget_bytes >= peak_lower_bound(problem):
         return None
-    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)))
+    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)),
+                            descend_floor=descend_floor)
     return dataclasses.replace(floor_plan, status=Status.INFEASIBLE, solver=solver, lower_bound_s=None)
 
 
 def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[str, Any],
                  baseline_bytes: int, offload: Any = "auto",
-                 schedules: bool = False) -> tuple[Plan, InfeasibleBudgetError | None]:
+                 schedules: bool = False, descend_floor: bool = True) -> tuple[Plan, InfeasibleBudgetError | None]:
     """After `failed` (INFEASIBLE): a plan that fits when the floor does (warm-started
     with the floor plan; with `schedules`, else the cheapest fitting scheduled plan),
-    else `failed` and the error stating the floor and its plan."""
+    else `failed` and the error stating the floor and its plan. `descend_floor`: as
+    `least_peak`'s."""
     started_s = time.perf_counter()
     problem = gp.problem
-    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)))
+    floor_plan = least_peak(problem, time_limit_s=options.get("time_limit_s"), seed=int(options.get("seed", 0)),
+                            descend_floor=descend_floor)
     if floor_plan.peak_bytes <= problem.budget_bytes:
         if takes_hint(solver):
             plan = solve(problem, solver, **{**options, "hint": floor_plan.decisions})
@@ -109,31 +115,33 @@ def at_the_floor(gp: GraphProblem, failed: Plan, *, solver: str, options: dict[s
     return failed, error
 
 
-def least_peak(problem: Problem, *, time_limit_s: float | None = None, seed: int = 0) -> Plan:
+def least_peak(problem: Problem, *, time_limit_s: float | None = None, seed: int = 0,
+               descend_floor: bool = True) -> Plan:
     """`remat_solvers.least_peak.least_peak_plan(problem)` (time_limit_s None: FLOOR_TIME_LIMIT_S),
     searched once per graph and options in this process: a refusal, the re-plan at the
     floor and the report's Pareto sweep of one model share one search (on LLaMA-7B's
     32 layers, each search is seconds of ILP)."""
     started_s = time.perf_counter()
     limit = time_limit_s or FLOOR_TIME_LIMIT_S
-    key = (problem.with_budget(0), float(limit), int(seed))
+    key = (problem.with_budget(0), float(limit), int(seed), bool(descend_floor))
     if key not in _FLOOR_PLANS:
-        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2])
+        least = least_peak_plan(problem, time_limit_s=limit, seed=key[2], descend_floor=key[3])
         _remember(key, finish(key[0].with_budget(least.peak_bytes), least.decisions, "floor",
                               started_s=started_s))
     _FLOOR_PLANS.move_to_end(key)
     return _FLOOR_PLANS[key]
 
 
-def _remembered(problem: Problem) -> Plan | None:
-    """The most recent floor plan of this graph (at budget 0), whatever its options."""
-    for (graph, _, _), plan in reversed(_FLOOR_PLANS.items()):
-        if graph == problem:
+def _remembered(problem: Problem, descended: bool) -> Plan | None:
+    """The most recent floor plan of this graph (at budget 0) searched with or without
+    the descent, whatever its other options."""
+    for (graph, _, _, descent), plan in reversed(_FLOOR_PLANS.items()):
+        if graph == problem and descent == descended:
             return plan
     return None
 
 
-def _remember(key: tuple[Problem, float, int], plan: Plan) -> None:
+def _remember(key: tuple[Problem, float, int, bool], plan: Plan) -> None:
     _FLOOR_PLANS[key] = plan
     _FLOOR_PLANS.move_to_end(key)
     while len(_FLOOR_PLANS) > _REMEMBERED:

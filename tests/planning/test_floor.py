@@ -69,8 +69,8 @@ def test_a_budget_below_the_lower_bound_is_refused_without_a_solve(monkeypatch):
     solve_at, refused = partitioner.Partitioner._solve, partitioner.refused_without_solving
     monkeypatch.setattr(partitioner.Partitioner, "_solve", lambda self, problem, options: solves.append(
         problem.budget_bytes) or solve_at(self, problem, options))
-    monkeypatch.setattr(partitioner, "refused_without_solving", lambda problem, *a: bounds.append(
-        peak_lower_bound(problem)) or refused(problem, *a))
+    monkeypatch.setattr(partitioner, "refused_without_solving", lambda problem, *a, **k: bounds.append(
+        peak_lower_bound(problem)) or refused(problem, *a, **k))
     with pytest.raises(InfeasibleBudgetError) as below:
         remat.plan(case.model, case.args, case.kwargs, budget=1, **LIMIT)
     assert solves == []
@@ -93,6 +93,25 @@ def test_floor_does_not_depend_on_the_budget_and_plans_at_itself():
         plan = solve(at_floor, solver, hint=a, time_limit_s=0.5)
         assert plan.status is not Status.INFEASIBLE
         assert plan.peak_bytes <= a.peak_bytes and plan.objective_s <= a.objective_s
+
+
+def test_the_floor_without_its_descent_is_the_searchs_plan_and_is_remembered_apart():
+    """`descend_floor=False` (inductor's closed loop tries both floors,
+    `PlannerSettings.descend_floor`): the plan the search found, which the descent starts
+    from and never raises. The process's floor cache keeps the two apart: a solve is
+    warm-started only with the floor of its own setting."""
+    base = builders.random_dag(60, seed=4, view_prob=0.1)
+    zero = base.with_budget(0)
+    found = least_peak_plan(base, time_limit_s=0.5, descend_floor=False)
+    descended = least_peak_plan(base, time_limit_s=0.5)
+    assert found.decisions != descended.decisions  # on this graph the descent changes the plan
+    assert _key(zero, descended.decisions) <= _key(zero, found.decisions)
+    remat_floor._FLOOR_PLANS.clear()
+    assert remat_floor.least_peak(base, time_limit_s=0.5).decisions == descended.decisions
+    assert remat_floor.least_peak(base, time_limit_s=0.5, descend_floor=False).decisions == found.decisions
+    assert remat_floor._remembered(zero, True).decisions == descended.decisions
+    assert remat_floor._remembered(zero, False).decisions == found.decisions
+    remat_floor._FLOOR_PLANS.clear()
 
 
 LIMIT = dict(time_limit_s=0.5)  # the floor search and the solves share it (deterministic)

@@ -8,8 +8,9 @@ it when it costs less and its own prediction fits. The step records the margin i
 with; the prediction is remat's peak plus it (`estimate.inductor_peak_bytes`). Where no
 plan tried fits, the smallest reachable peak is the lowest under inductor of remat's
 floor, the plan at the no-remat peak, the floor of the plans that recompute each value
-once, and both floors solved as inductor's lowering inlines pointwise values
-(`remat.planning.inlining`): each is lowest on some model.
+once, both floors solved as inductor's lowering inlines pointwise values
+(`remat.planning.inlining`), and the second of those without the floor search's descent
+(`PlannerSettings.descend_floor`): each is lowest on some model.
 
 A percentage is of the no-remat peak of the path that runs: inductor's, remat's plan that
 saves everything as inductor generates it (so "100%" always plans). The whole-step
@@ -211,9 +212,10 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             # value twice, than the floor of plans that recompute each value once (LLaMA
             # tiny: inductor's code holds more beside the copies), or than either floor
             # planned as inductor's lowering inlines pointwise values (LLaMA tiny, each
-            # value recomputed once: 2,338,728 B against 2,494,504 B; ViT tiny, with
-            # schedules: 1,280,792 B against 1,341,272 B; GPT-2 tiny peaks lower planned
-            # op by op)
+            # value recomputed once: 2,338,728 B against 2,494,504 B; GPT-2 tiny peaks
+            # lower planned op by op), or than the second of those without the floor
+            # search's descent (ViT tiny, with schedules: 1,265,636 B, 1,338,532 B
+            # descended)
             no_remat = no_remat or _at_no_remat_peak(partitioner, plan)
             if canonical is None and tried.step.plan.schedule is not None:
                 canonical = _at_floor(partitioner, plan)
@@ -303,8 +305,11 @@ def _at_no_remat_peak(partitioner: Any, plan: Callable[[], _Tried]) -> _Tried:
 def _inlined_floors(partitioner: Any, plan: Callable[[], _Tried]) -> dict[str, _Tried]:
     """The floors solved as inductor's lowering inlines pointwise values
     (`PlannerSettings.inline_pointwise`): of the plans that recompute each value once, and,
-    where the settings allow schedules, of all plans. Each is lowest on some model (LLaMA
-    tiny: the first; ViT tiny: the second). Empty where the partitioner already plans so."""
+    where the settings allow schedules, of all plans, that one also without the floor
+    search's descent (`PlannerSettings.descend_floor`: op by op the descent never raises
+    the peak, but inductor's code for the descended plan can hold more). Each is lowest
+    on some model (LLaMA tiny: the first; ViT tiny: the third, 1,265,636 B against
+    1,338,532 B for the second). Empty where the partitioner already plans so."""
     settings = partitioner.settings
     if settings.inline_pointwise:
         return {}
@@ -312,16 +317,20 @@ def _inlined_floors(partitioner: Any, plan: Callable[[], _Tried]) -> dict[str, _
     if settings.schedules:
         out["floor with schedules as inductor inlines"] = _at_floor(
             partitioner, plan, inline_pointwise=True, schedules=True)[0]
+        out["floor with schedules as inductor inlines, not descended"] = _at_floor(
+            partitioner, plan, inline_pointwise=True, schedules=True, descend_floor=False)[0]
     return out
 
 
 def _at_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_pointwise: bool = False,
-              schedules: bool = False) -> tuple[_Tried, int]:
+              schedules: bool = False, descend_floor: bool = True) -> tuple[_Tried, int]:
     """(the plan, its budget) at the floor of the plans that recompute each value at most
     once, or with `schedules` of all plans the settings allow (`_planning_as`), planned
     at that floor's bytes; `inline_pointwise`: solved as inductor's lowering inlines
-    pointwise values (`PlannerSettings.inline_pointwise`)."""
-    with _planning_as(partitioner, inline_pointwise=inline_pointwise, schedules=schedules):
+    pointwise values (`PlannerSettings.inline_pointwise`); `descend_floor`: as
+    `PlannerSettings.descend_floor`."""
+    with _planning_as(partitioner, inline_pointwise=inline_pointwise, schedules=schedules,
+                      descend_floor=descend_floor):
         partitioner.budget = 1
         try:
             floor_bytes = plan().step.budget_bytes  # a graph that holds nothing
@@ -332,12 +341,15 @@ def _at_floor(partitioner: Any, plan: Callable[[], _Tried], *, inline_pointwise:
 
 
 @contextlib.contextmanager
-def _planning_as(partitioner: Any, *, inline_pointwise: bool = False, schedules: bool = False) -> Iterator[None]:
+def _planning_as(partitioner: Any, *, inline_pointwise: bool = False, schedules: bool = False,
+                 descend_floor: bool = True) -> Iterator[None]:
     """The partitioner plans without schedules that recompute a value twice (unless
-    `schedules`) and as inductor inlines (where asked), meanwhile."""
+    `schedules`), as inductor inlines and without the floor's descent (each where
+    asked), meanwhile."""
     settings = partitioner.settings
     partitioner.settings = dataclasses.replace(settings, schedules=settings.schedules and schedules,
-                                               inline_pointwise=settings.inline_pointwise or inline_pointwise)
+                                               inline_pointwise=settings.inline_pointwise or inline_pointwise,
+                                               descend_floor=settings.descend_floor and descend_floor)
     try:
         yield
     finally:
