@@ -60,7 +60,8 @@ def read_in_backward(problem: Problem, steps: Sequence[Step]) -> set[int]:
 def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
     """`plan` with every storage that two saved values share saved once, as the value that
     owns it, and every saved view in it recomputed (just before its first reader in an
-    explicit schedule, from which the owner's own recomputes leave: it is saved now).
+    explicit schedule, with the views it is a view of that are not on the device there;
+    the owner's own recomputes leave the schedule: it is saved now).
     Returns `plan` itself when no storage is shared, or when a view in one reads another
     forward value (recomputing it would hold that value too; ATen's views read only their
     base): the rewrite then refuses the plan (`shared_saves`)."""
@@ -77,7 +78,7 @@ def one_save_per_storage(problem: Problem, plan: Plan) -> Plan:
     schedule = None
     if plan.schedule is not None:  # a root saved now is read from its save, never recomputed
         kept = [j for j in plan.schedule if j not in groups]
-        schedule = _with_recomputes(problem, kept, views)
+        schedule = _with_recomputes(problem, kept, views, decisions)
     # judged against the plan's own peak: a plan may be run above the problem's budget
     # (the ledger's first step runs the lowest peak found), and this one peaks no higher
     out = finish(problem.with_budget(plan.peak_bytes), decisions, plan.solver, started_s=0.0,
@@ -94,14 +95,34 @@ def _from_its_base(problem: Problem, i: int) -> bool:
         j == node.alias_of or problem.nodes[j].phase in (Phase.PARAM, Phase.INPUT) for j in node.inputs)
 
 
-def _with_recomputes(problem: Problem, schedule: Sequence[int], views: Sequence[int]) -> list[int]:
+def _with_recomputes(problem: Problem, schedule: Sequence[int], views: Sequence[int],
+                     decisions: dict[int, Decision]) -> list[int]:
     """`schedule` with each of `views` that a step reads recomputed just before the first
-    such step (the later views first, so that a view of a view comes after the view it
-    reads)."""
-    out = list(schedule)
-    for i in sorted(views, reverse=True):
-        first = next((k for k, j in enumerate(out) if i in problem.nodes[j].inputs), None)
-        if first is not None:
-            out.insert(first, i)
-    return out
+    such step, after whatever of its chain of bases is not on the device there yet: a
+    view of a view that the schedule recomputes later (a split's chunk saved, the
+    reshape it was split from recomputed for another reader) is recomputed with it, and
+    not again where the schedule recomputed it (a view of a saved value stays valid)."""
+    nodes = problem.nodes
+    wanted = set(views)
+    available = {i for i, d in decisions.items() if d is Decision.SAVE}
+    out: list[int] = []
+    brought: set[int] = set()
 
+    def bring(i: int) -> None:
+        for j in nodes[i].inputs:
+            if j not in available and decisions.get(j) is Decision.RECOMPUTE and nodes[j].alias_of is not None:
+                bring(j)  # a view costs nothing: recomputed where it is needed, once
+        out.append(i)
+        available.add(i)
+        brought.add(i)
+
+    for j in schedule:
+        if j in brought:
+            continue
+        for i in nodes[j].inputs:
+            if i in wanted and i not in available:
+                bring(i)
+        out.append(j)
+        if nodes[j].phase is Phase.FORWARD:
+            available.add(j)
+    return out

@@ -92,6 +92,37 @@ def test_a_scheduled_owner_of_two_saved_views_is_saved_and_leaves_the_schedule()
     assert out.objective_s < plan.objective_s  # a is no longer recomputed
 
 
+def test_a_saved_view_of_a_recomputed_view_is_recomputed_after_it():
+    """x -> a -> r = view(a) -> c = view(r) -> loss; the backward reads c, then r, then a.
+    A schedule that saves a and c and recomputes r for its own reader: c, now recomputed,
+    has its first reader before r's recompute, so r comes forward with it and is not
+    recomputed twice (a random composition's attention, its qkv projection saved, one
+    chunk of its reshape saved and the reshape recomputed, planned under inductor at its
+    floor, met that schedule)."""
+    problem = Problem(
+        nodes=(
+            Node(name="x", inputs=(), out_bytes=10, phase=I),
+            Node(name="a", inputs=(0,), out_bytes=100, phase=F, compute_s=1.0),
+            Node(name="r", inputs=(1,), out_bytes=100, phase=F, alias_of=1),
+            Node(name="c", inputs=(2,), out_bytes=100, phase=F, alias_of=2),
+            Node(name="loss", inputs=(3,), out_bytes=4, phase=F, compute_s=1.0),
+            Node(name="t", inputs=(), out_bytes=4, phase=B),
+            Node(name="g1", inputs=(5, 3), out_bytes=100, phase=B, compute_s=1.0),
+            Node(name="g2", inputs=(6, 2), out_bytes=100, phase=B, compute_s=1.0),
+            Node(name="g3", inputs=(7, 1), out_bytes=100, phase=B, compute_s=1.0),
+        ),
+        outputs=(8,),
+        budget_bytes=10_000,
+    )
+    plan = finish(problem, {1: S, 2: R, 3: S}, "hand", started_s=0.0, schedule=(5, 6, 2, 7, 8))
+    assert shared_saves(problem, plan) == {1: [1, 3]}
+    out = one_save_per_storage(problem, plan)
+    assert out.decisions == {1: S, 2: R, 3: R}
+    assert out.schedule == (5, 2, 3, 6, 7, 8)
+    assert shared_saves(problem, out) == {}
+    assert out.peak_bytes == plan.peak_bytes
+
+
 def test_a_plan_without_shared_storage_is_returned_as_it_is():
     problem = _value_and_view()
     plan = finish(problem, {1: S, 2: R}, "hand", started_s=0.0)
