@@ -6,7 +6,8 @@ untied head): at the no-remat peak, at the floor, and at the floor with offload,
 steps each under different random seeds. `compile=True` at its floor on seeds 14 and 22
 (in eval mode: inductor draws other random numbers than eager), to inductor's rounding
 (rtol 1e-4, as `tests/runtime/inductor/test_backend_gradients.py` states why); the
-backend's own fuzz is there."""
+backend's own fuzz is there, and here one `BACKEND` composition through the backend at
+the floor it names."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 import remat
 from nets import assert_gradients_match, assert_trains_like_eager
-from remat.testing.compositions import EAGER, composition, describe
+from remat.testing.compositions import BACKEND, EAGER, composition, describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -160,3 +161,24 @@ def test_compile_true_plans_below_the_floor_op_by_op_where_inductor_holds_it():
     assert planned.budget_bytes == under_inductor  # before the first call: the floor op by op, over it
     assert_gradients_match(model, lambda m: planned(*args).loss, lambda m: m(*args).loss, "zoo mlp")
     assert planned.predicted_peak_bytes <= under_inductor  # inductor's plan, its margin counted
+
+
+def test_a_composition_trains_as_eager_through_the_backend_at_its_floor():
+    """Composition 13 (a shared-norm MLP, a pre-norm MLP, pre-norm attention, the loss
+    inside), planned for each graph at the floor the backend names: its attention's qkv
+    projection is saved with one chunk of its reshape while the reshape itself is
+    recomputed, so the saved chunk, recomputed from the projection
+    (`remat_solvers.shared_storage`), needs the reshape recomputed before it."""
+    torch._dynamo.reset()
+    model, x = composition(13, BACKEND)
+    model.eval()
+    with pytest.raises(remat.InfeasibleBudgetError) as refused:
+        torch.compile(model, backend=remat.backend(budget=1, whole_step=False))(x)
+    floor = refused.value.min_peak_bytes
+    torch._dynamo.reset()
+    be = remat.backend(budget=floor, whole_step=False)
+    compiled = torch.compile(model, backend=be)
+    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 13 ({describe(model)}) at {floor} B")
+    (step,) = be.steps
+    assert step.evaluation.recomputed_ids
+    assert step.evaluation.peak_bytes + step.fusion_margin_bytes <= floor

@@ -56,23 +56,3 @@ def test_random_compositions_train_as_eager_through_the_backend(kinds, seed, pla
     if plan == "all recomputed":
         assert any(step.evaluation.recomputed_ids for step in be.steps)
 
-
-def test_a_composition_trains_as_eager_through_the_backend_at_its_floor():
-    """Composition 13 (a shared-norm MLP, a pre-norm MLP, pre-norm attention, the loss
-    inside), planned for each graph at the floor the backend names: its attention's qkv
-    projection is saved with one chunk of its reshape while the reshape itself is
-    recomputed, so the saved chunk, recomputed from the projection
-    (`remat_solvers.shared_storage`), needs the reshape recomputed before it."""
-    torch._dynamo.reset()
-    model, x = composition(13, BACKEND)
-    model.eval()
-    with pytest.raises(remat.InfeasibleBudgetError) as refused:
-        torch.compile(model, backend=remat.backend(budget=1, whole_step=False))(x)
-    floor = refused.value.min_peak_bytes
-    torch._dynamo.reset()
-    be = remat.backend(budget=floor, whole_step=False)
-    compiled = torch.compile(model, backend=be)
-    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 13 ({describe(model)}) at {floor} B")
-    (step,) = be.steps
-    assert step.evaluation.recomputed_ids
-    assert step.evaluation.peak_bytes + step.fusion_margin_bytes <= floor
