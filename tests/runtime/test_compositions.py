@@ -178,7 +178,8 @@ def test_a_composition_trains_as_eager_through_the_backend_at_its_floor():
     torch._dynamo.reset()
     be = remat.backend(budget=floor, whole_step=False)
     compiled = torch.compile(model, backend=be)
-    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x), f"composition 13 ({describe(model)}) at {floor} B")
+    assert_gradients_match(model, lambda m: compiled(x), lambda m: m(x),
+                           f"composition 13 ({describe(model)}) at {floor} B")
     (step,) = be.steps
     assert step.evaluation.recomputed_ids
     assert step.evaluation.peak_bytes + step.fusion_margin_bytes <= floor

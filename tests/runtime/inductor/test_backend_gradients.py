@@ -55,4 +55,3 @@ def test_random_compositions_train_as_eager_through_the_backend(kinds, seed, pla
         assert step.evaluation.peak_bytes + step.fusion_margin_bytes <= step.budget_bytes
     if plan == "all recomputed":
         assert any(step.evaluation.recomputed_ids for step in be.steps)
-

@@ -2,13 +2,14 @@
 closed loop compiles it so (`remat.runtime.inductor.closed_loop._layout_alternative`).
 
 ResNet tiny under inductor runs its convolutions channels-last when layout optimization
-is on, and converts around them. Its floor plan holds 998,232 B under inductor with the option on and 925,144 B with
-it off (one thread): inductor's code holds less than remat's model op by op (1,031,736
-B) either way, and at the floor, where no replan is left, the closed loop still tries
-the other lowerings for the lowest plan it found. At a budget between the two the
-backend plans, the compile's config patch carries the choice to both graphs' lowering
-(the backward is compiled lazily, after the backend's patch has ended), and the step
-measures what was predicted, no more; without the choice the budget is refused."""
+is on, and converts around them. Its floor plan holds 998,232 B under inductor with the
+option on and 925,144 B with it off (one thread): inductor's code holds less than
+remat's model op by op (1,031,736 B) either way, and at the floor, where no replan is
+left, the closed loop still tries the other lowerings for the lowest plan it found. At
+a budget between the two the backend plans, the compile's config patch carries the
+choice to both graphs' lowering (the backward is compiled lazily, after the backend's
+patch has ended), and the step measures what was predicted, no more; without the choice
+the budget is refused."""
 
 from __future__ import annotations
 
