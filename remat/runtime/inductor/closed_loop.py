@@ -10,7 +10,10 @@ plan tried fits, the smallest reachable peak is the lowest under inductor of rem
 floor, the plan at the no-remat peak, the floor of the plans that recompute each value
 once, both floors solved as inductor's lowering inlines pointwise values
 (`remat.planning.inlining`), and the second of those without the floor search's descent
-(`PlannerSettings.descend_floor`): each is lowest on some model.
+(`PlannerSettings.descend_floor`): each is lowest on some model. The lowest of them is
+also estimated under the other lowerings (neighbour fusion, layout optimization off;
+`FALLBACK_RULES`, `_layout_alternative`), even where inductor's code holds less than
+remat's model: at the floor no replan is left.
 
 A percentage is of the no-remat peak of the path that runs: inductor's, remat's plan that
 saves everything as inductor generates it (so "100%" always plans). The whole-step
