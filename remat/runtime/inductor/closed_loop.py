@@ -230,11 +230,12 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
             log.debug("remat: at the floor, under inductor: %s",
                       {name: found.under_inductor for name, found in others.items()})
             fitting = [name for name, found in others.items() if found.under_inductor <= budget_bytes]
+            # cheapest first; re-estimating it below only ever lowers it, so it stays the lowest
+            lowest = min(others, key=lambda name: others[name].under_inductor)
             if not fitting:
                 # inductor's code may hold less than remat's model and still more than the
                 # budget, where no replan is left: the lowest plan also tries the other
                 # lowerings (ResNet tiny's floor plan: 998,232 B with layout optimization on)
-                lowest = min(others, key=lambda name: others[name].under_inductor)
                 if least.under_inductor <= others[lowest].under_inductor:
                     least = under_inductor(least.step, every_lowering=True)
                     if least.under_inductor <= budget_bytes:
@@ -243,7 +244,6 @@ def plan_under_fusion(partitioner: Any, joint: fx.GraphModule, joint_inputs: Any
                 else:
                     others[lowest] = under_inductor(others[lowest].step, every_lowering=True)
                     fitting = [lowest] if others[lowest].under_inductor <= budget_bytes else []
-            lowest = min(others, key=lambda name: others[name].under_inductor)  # cheapest first
             pick = (fitting[0] if fitting else
                     lowest if best_effort and others[lowest].under_inductor < least.under_inductor else None)
             if pick is not None:
